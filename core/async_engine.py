@@ -1,0 +1,240 @@
+"""AsyncEngine: the embedder's handle, living in the caller's event loop.
+
+    async with AsyncEngine(EngineConfig()) as engine:
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=32)):
+            print(out.delta_text, end="")
+
+Each request gets its own stream of deltas. Leaving the iteration early or cancelling the
+caller aborts the request in the core, which frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import numpy as np
+from anyio.streams.memory import MemoryObjectSendStream
+
+from . import errors, log, plugins
+from .config import EngineConfig
+from .core_client import CoreClient, InprocClient, ProcessClient
+from .detokenizer import IncrementalDetokenizer
+from .messages import (
+    AbortRequests,
+    AddRequest,
+    CoreFailed,
+    CoreOutputs,
+    CoreReady,
+    RequestDelta,
+    UtilityCall,
+    UtilityResult,
+)
+from .models.builtin import resolve
+from .outputs import RequestOutput, Timing
+from .sampling_params import SamplingParams
+from .tokenizer import Tokenizer
+
+
+def error_from_wire(text: str) -> errors.SpeckernelError:
+    """'PromptTooLongError: ...' from the core → the same typed exception here."""
+    name, _, message = text.partition(": ")
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.SpeckernelError) and cls is not errors.UnknownPluginError:
+        return cls(message)
+    return errors.SpeckernelError(text)
+
+
+@dataclass
+class _Pending:
+    send: MemoryObjectSendStream[RequestDelta | BaseException]
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        config = config or EngineConfig()
+        if overrides:
+            import msgspec
+
+            config = msgspec.structs.replace(config, **overrides)
+        self.config = config.validate()
+        self.tokenizer: Tokenizer
+        self.info: CoreReady
+        self._client: CoreClient | None = None
+        self._stack = AsyncExitStack()
+        self._requests: dict[str, _Pending] = {}
+        self._calls: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
+        self._call_ids = itertools.count()
+        self._dead: errors.EngineDeadError | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncEngine:
+        log.configure(self.config.log_level)
+        if self.config.platform is not None:
+            plugins.load("platform", self.config.platform)  # unknown name: fail before any spawn
+        path = await anyio.to_thread.run_sync(resolve, self.config.model)
+        self.tokenizer = await anyio.to_thread.run_sync(Tokenizer.load, path)
+        client: CoreClient = InprocClient(self.config) if self.config.in_process else ProcessClient(self.config)
+        # Unwinds in reverse: stop the pump, wait for the task group, then free the sockets.
+        self._stack.callback(client.release)
+        tg = await self._stack.enter_async_context(anyio.create_task_group())
+        self._stack.push_async_callback(self._stop_pump, tg)
+        try:
+            self.info = await client.start(tg)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await client.close()
+            await self._stack.aclose()
+            raise
+        self._client = client
+        tg.start_soon(self._pump, client)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with anyio.CancelScope(shield=True):
+                await client.close()
+            await self._stack.aclose()  # task groups must exit in their own scope, not a shield
+        self._fail_all(errors.EngineDeadError("engine shut down"))
+
+    async def _stop_pump(self, tg: anyio.abc.TaskGroup) -> None:
+        tg.cancel_scope.cancel()
+
+    # --- receiving -----------------------------------------------------------------------------
+
+    async def _pump(self, client: CoreClient) -> None:
+        while True:
+            msg = await client.recv()
+            match msg:
+                case CoreOutputs(deltas=deltas):
+                    for delta in deltas:
+                        pending = self._requests.get(delta.req_id)
+                        if pending is not None:
+                            pending.send.send_nowait(delta)
+                case UtilityResult(call_id=cid):
+                    waiter = self._calls.pop(cid, None)
+                    if waiter is not None:
+                        waiter[1].append(msg)
+                        waiter[0].set()
+                case CoreFailed(error_type=kind, message=message):
+                    self._fail_all(errors.EngineDeadError(f"engine core failed: {kind}: {message}"))
+                    return
+                case None:
+                    self._fail_all(errors.EngineDeadError(f"engine core died: {client.death_reason()}"))
+                    return
+
+    def _fail_all(self, error: errors.EngineDeadError) -> None:
+        if self._dead is None:
+            self._dead = error
+        for pending in self._requests.values():
+            pending.send.send_nowait(error)
+        for event, _ in self._calls.values():
+            event.set()
+
+    def _live_client(self) -> CoreClient:
+        if self._dead is not None:
+            raise errors.EngineDeadError(str(self._dead))
+        if self._client is None:
+            raise errors.EngineDeadError("engine is not started (use `async with AsyncEngine(...)`)")
+        return self._client
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def chat(
+        self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        async for out in self.generate(self.encode_chat(messages), params, request_id=request_id):
+            yield out
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams one RequestOutput per delta; a str prompt is tokenized as-is (no template)."""
+        client = self._live_client()
+        params = (params or SamplingParams()).validate(self.info.vocab_size)
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not prompt_ids:
+            raise errors.InvalidInputError("prompt is empty")
+        if len(prompt_ids) >= self.info.max_model_len:
+            raise errors.PromptTooLongError(
+                f"prompt has {len(prompt_ids)} tokens; the context holds {self.info.max_model_len} "
+                "(prompt plus at least one generated token)")
+        req_id = request_id or uuid.uuid4().hex
+        if req_id in self._requests:
+            raise errors.InvalidInputError(f"request id {req_id!r} is already running")
+        send, recv = anyio.create_memory_object_stream[RequestDelta | BaseException](math.inf)
+        self._requests[req_id] = _Pending(send)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        timing = Timing(arrival=time.monotonic())
+        done = False
+        try:
+            client.send(AddRequest(req_id, np.asarray(prompt_ids, dtype=np.int64), params))
+            async for item in recv:
+                if isinstance(item, BaseException):
+                    raise item
+                if item.error is not None:
+                    done = True
+                    raise error_from_wire(item.error)
+                now = time.monotonic()
+                if timing.first_token is None and item.new_token_ids:
+                    timing.first_token = now
+                reason = item.finish_reason
+                delta_text, stopped = detok.add(item.new_token_ids, finished=reason is not None)
+                if stopped and reason is None:
+                    reason = "stop"
+                    client.send(AbortRequests([req_id]))
+                done = reason is not None
+                if done:
+                    timing.finished = now
+                yield RequestOutput(
+                    request_id=req_id, delta_text=delta_text, delta_token_ids=item.new_token_ids,
+                    text=detok.text, token_ids=list(detok.token_ids), prompt_token_ids=prompt_ids,
+                    finished=done, finish_reason=reason, timing=timing,
+                )
+                if done:
+                    return
+        finally:
+            self._requests.pop(req_id, None)
+            send.close()
+            if not done and self._dead is None and self._client is not None:
+                self._client.send(AbortRequests([req_id]))
+
+    async def abort(self, request_id: str) -> None:
+        self._live_client().send(AbortRequests([request_id]))
+
+    async def stats(self) -> dict[str, Any]:
+        """Engine-wide counters from the core (steps, tokens, KV blocks, speculative counters)."""
+        client = self._live_client()
+        call_id = next(self._call_ids)
+        event, box = anyio.Event(), []
+        self._calls[call_id] = (event, box)
+        client.send(UtilityCall(call_id, "stats"))
+        await event.wait()
+        if not box:
+            raise errors.EngineDeadError(str(self._dead))
+        if box[0].error is not None:
+            raise errors.SpeckernelError(box[0].error)
+        return box[0].result

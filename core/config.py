@@ -1,0 +1,40 @@
+"""Engine configuration: one frozen struct that travels to the engine-core process."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    model: str = "smollm2-135m"
+    """A built-in model name, a GGUF file or a safetensors folder."""
+    platform: str | None = None
+    """None picks the highest-priority available platform."""
+    dtype: str | None = None
+    """None takes the platform's default (float32 on CPU, bfloat16 on CUDA)."""
+    max_model_len: int | None = None
+    """None takes the model's context length, capped at 4096."""
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    """Memory budget for the paged KV cache; None sizes it from the platform's free memory."""
+    num_kv_blocks: int | None = None
+    """Overrides kv_cache_bytes with an exact block count (tests use it to force preemption)."""
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    seed: int = 0
+    in_process: bool = False
+    """Run the engine core inside the caller's event loop instead of its own process."""
+    startup_timeout_s: float = 300.0
+    log_level: str = "warning"
+
+    def validate(self) -> EngineConfig:
+        from .errors import InvalidInputError
+
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidInputError(f"{name}: expected an integer >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise InvalidInputError(f"num_kv_blocks: expected >= 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidInputError(f"max_model_len: expected >= 2, got {self.max_model_len}")
+        return self

@@ -1,0 +1,53 @@
+"""Typed errors of the public API.
+
+Bad input raises a subclass of `InvalidInputError` (the CLI turns it into exit code 2);
+`EngineDeadError` means the engine core is gone and nothing more will be served.
+"""
+
+from __future__ import annotations
+
+
+class SpeckernelError(Exception):
+    """Base of every error speckernel raises on purpose."""
+
+
+class InvalidInputError(SpeckernelError, ValueError):
+    """The caller asked for something the engine cannot serve; other requests go on."""
+
+
+class InvalidSamplingParamsError(InvalidInputError):
+    pass
+
+
+class PromptTooLongError(InvalidInputError):
+    pass
+
+
+class UnknownModelError(InvalidInputError):
+    pass
+
+
+class UnknownPluginError(InvalidInputError):
+    """Names the plugin group, the unknown name and every name that would be accepted."""
+
+    def __init__(self, group: str, name: str, known: list[str]) -> None:
+        self.group, self.name, self.known = group, name, known
+        super().__init__(
+            f"unknown {group} {name!r}; available: {', '.join(sorted(known)) or '(none)'}"
+        )
+
+
+class PlatformUnavailableError(InvalidInputError):
+    pass
+
+
+class ModelFetchError(SpeckernelError):
+    """The embedded default model could not be downloaded or failed its checksum."""
+
+
+class EngineDeadError(SpeckernelError):
+    """The engine core process died or shut down; pending and new requests fail with this."""
+
+
+class RequestAbortedError(SpeckernelError):
+    pass

@@ -1,0 +1,1 @@
+"""The Llama-family target model, its loaders and the embedded default model."""

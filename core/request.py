@@ -1,0 +1,58 @@
+"""Request state inside the engine core: one plain object with counters that explain themselves."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    """Effective sampling seed: the caller's, or one the engine drew for this request."""
+    eos_token_ids: tuple[int, ...]
+    max_total_tokens: int
+    """Context cap (max_model_len): prompt plus output never grows past it."""
+    output_token_ids: list[int] = field(default_factory=list)
+    generation: int = 0
+    """Bumped on preemption, abort and finish, so a stale frame row is recognised and dropped."""
+    num_computed_tokens: int = 0
+    """Tokens whose KV is written, or will be once the frames in flight land."""
+    in_flight: int = 0
+    """Frames scheduled for this request and not yet applied."""
+    block_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        prompt = self.prompt_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        return (prompt + self.output_token_ids)[start:end]
+
+    def stop_reason(self, token_id: int) -> str | None:
+        """Why the request must stop after emitting token_id, or None."""
+        params = self.params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if token_id in params.stop_token_ids:
+            return "stop"
+        if len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= self.max_total_tokens:
+            return "length"
+        return None

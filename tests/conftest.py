@@ -1,0 +1,95 @@
+"""Shared fixtures: the real default model, its tokenizer, the HF reference, an in-process core."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+PROMPTS = [
+    "The three primary colors are",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The capital of France is",
+    "To make a cup of tea, you first",
+    "import numpy as np\nimport",
+    "The quick brown fox",
+    "Water boils at a temperature of",
+    "My favourite programming language is",
+    "In 1969, the first humans",
+    "The best way to learn a new language is",
+    "SELECT name FROM users WHERE",
+    "A haiku about autumn:\n",
+    "The mitochondria is",
+    "Here is a list of fruits: apple, banana,",
+    "Photosynthesis is the process by which",
+    "for i in range(10):\n    print(",
+    "The largest planet in our solar system is",
+    "Dear hiring manager,\n",
+    "The sun rises in the",
+    "Machine learning is a field of",
+    "class Stack:\n    def __init__(self):",
+    "The Great Wall of China",
+    "Three tips for better sleep:",
+    "An apple a day",
+    "The chemical symbol for gold is",
+    "Rain is caused by",
+    "A good breakfast includes",
+    "The theory of relativity was proposed by",
+    "Bees are important because",
+    "<html>\n<head>\n",
+    "The opposite of hot is",
+]
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    from speckernel.models.builtin import resolve
+
+    return resolve("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path: Path):  # type: ignore[no-untyped-def]
+    from speckernel.tokenizer import Tokenizer
+
+    return Tokenizer.load(model_path)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path: Path):  # type: ignore[no-untyped-def]
+    """HF transformers' own GGUF loader (its own dequantization and q/k un-permutation), fp32."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
+                                             dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def core():  # type: ignore[no-untyped-def]
+    from speckernel.config import EngineConfig
+    from speckernel.engine_core import EngineCore
+
+    return EngineCore(EngineConfig(platform="cpu", max_model_len=1024))
+
+
+def run_to_completion(core, prompts: list[list[int]], params, prefix: str = "r") -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Adds every prompt to an in-process core and steps it until all finish; outputs in order."""
+    from speckernel.messages import AddRequest
+
+    outputs: dict[str, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        rid = f"{prefix}{i}"
+        outputs[rid] = []
+        assert core.add_request(AddRequest(rid, np.asarray(ids), params)) is None
+    while core.scheduler.requests:
+        for delta in core.step():
+            outputs[delta.req_id].extend(delta.new_token_ids)
+    return [outputs[f"{prefix}{i}"] for i in range(len(prompts))]

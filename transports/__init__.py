@@ -1,0 +1,1 @@
+"""Built-in transports: inproc, zmq. Found through the `speckernel.transports` entry points."""
