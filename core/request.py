@@ -26,7 +26,8 @@ class Request:
     """Context cap (max_model_len): prompt plus output never grows past it."""
     output_token_ids: list[int] = field(default_factory=list)
     generation: int = 0
-    """Bumped on preemption, abort and finish, so a stale frame row is recognised and dropped."""
+    """Set on admission and renewed on preemption, abort and finish (from one engine-wide
+    counter), so a stale frame row is recognised and dropped."""
     num_computed_tokens: int = 0
     """Tokens whose KV is written, or will be once the frames in flight land."""
     in_flight: int = 0

@@ -8,6 +8,7 @@ generation bumped, and it recomputes from its prompt plus the output it already 
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 from .block_manager import BlockManager
@@ -25,8 +26,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.next_step_id = 0
         self.num_preemptions = 0
+        # Generations come from one counter, so (req_id, generation) is never reused, even
+        # when a caller reuses a request id after the first request finished.
+        self.generations = itertools.count(1)
 
     def add(self, req: Request) -> None:
+        req.generation = next(self.generations)
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
@@ -85,7 +90,7 @@ class Scheduler:
         self.blocks.free(req)
         req.num_computed_tokens = 0
         req.in_flight = 0
-        req.generation += 1
+        req.generation = next(self.generations)
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -98,7 +103,7 @@ class Scheduler:
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         self.blocks.free(req)
-        req.generation += 1
+        req.generation = next(self.generations)
         req.in_flight = 0
         req.status = Status.FINISHED
         req.finish_reason = reason

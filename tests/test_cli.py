@@ -1,0 +1,79 @@
+"""The `speckernel` command as a user runs it: real processes, real model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CLI = [sys.executable, "-m", "speckernel.cli"]
+
+
+def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_generate_json_matches_hf_greedy(hf_model, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    proc = run("generate", "--raw", "--prompt", "The three primary colors are", "--max-tokens", "48",
+               "--temperature", "0", "--json", "--platform", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert {"text", "token_ids", "prompt_token_ids", "finish_reason", "timing", "stats"} <= out.keys()
+    prompt = out["prompt_token_ids"]
+    assert prompt == tokenizer.encode("The three primary colors are")
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out["token_ids"] == ref
+    assert out["finish_reason"] == "length"
+    assert out["text"] == tokenizer.decode(ref)
+    assert out["stats"]["num_draft_tokens"] == 0 and out["stats"]["num_accepted_tokens"] == 0
+
+
+@pytest.mark.slow
+def test_generate_streams_chat_answer() -> None:
+    proc = run("generate", "--prompt", "What is the capital of France?", "--max-tokens", "24",
+               "--temperature", "0", "--platform", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--model", "/no/such/model.gguf"], "unknown model"),
+        (["--platform", "tpu"], "unknown platform 'tpu'; available:"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
+    proc = run("generate", "--prompt", "hi", *args, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+@pytest.mark.slow
+def test_prompt_too_long_exits_2() -> None:
+    proc = run("generate", "--raw", "--prompt", "word " * 600, "--max-model-len", "256", "--platform", "cpu")
+    assert proc.returncode == 2
+    assert "context holds 256" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_plugins_json_lists_builtins_with_capabilities() -> None:
+    proc = run("plugins", "--json", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout)
+    assert set(found) == {"speculators", "platforms", "transports"}
+    assert {"cpu", "cuda", "ascend"} <= set(found["platforms"])
+    assert found["platforms"]["cpu"]["available"] is True
+    assert found["platforms"]["cpu"]["dist_backend"] == "gloo"
+    assert found["platforms"]["cuda"]["default_dtype"] == "bfloat16"
+    assert {"inproc", "zmq"} <= set(found["transports"])
+    assert found["transports"]["zmq"]["cross_process"] is True
