@@ -77,11 +77,15 @@ class Engine:
             async def fill(i: int) -> None:
                 results[i] = await one(prompts[i])
 
-            async with anyio.create_task_group() as tg:
-                for i in range(len(prompts)):
-                    tg.start_soon(fill, i)
+            try:
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(prompts)):
+                        tg.start_soon(fill, i)
+            except BaseExceptionGroup as group:  # callers expect the typed error, not a group
+                raise group.exceptions[0] from None
             return [r for r in results if r is not None]
 
+        (params or SamplingParams()).validate()
         return self._portal.call(run_all)
 
     def stats(self) -> dict[str, Any]:
