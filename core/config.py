@@ -26,6 +26,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Run the engine core inside the caller's event loop instead of its own process."""
     startup_timeout_s: float = 300.0
     log_level: str = "warning"
+    speculator: str | None = None
+    """A name from the `speckernel.speculators` entry points; None decodes without drafts."""
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    """Checkpoint for speculators that run their own model (draft_model: the target if None)."""
+    speculator_options: dict[str, str] = {}
+    skip_drafts: bool = True
+    """Allow K=0 steps when no scheduled request can use the drafts."""
 
     def validate(self) -> EngineConfig:
         from .errors import InvalidInputError
@@ -35,6 +43,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise InvalidInputError(f"{name}: expected an integer >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidInputError(f"num_kv_blocks: expected >= 1, got {self.num_kv_blocks}")
+        if self.speculator is not None and self.num_speculative_tokens < 1:
+            raise InvalidInputError(
+                f"num_speculative_tokens: expected >= 1 with a speculator, got {self.num_speculative_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidInputError(f"max_model_len: expected >= 2, got {self.max_model_len}")
         return self

@@ -35,10 +35,13 @@ from .messages import (
 )
 from .model_runner import ModelRunner
 from .models.builtin import resolve
+from .models.config import ModelConfig
 from .models.loader import load_model, read_config
+from .models.paged import kv_bytes_per_block
 from .platform import parse_dtype
 from .request import Request
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SpecPolicy
+from .speculator import SpeculatorCapabilities, SpeculatorContext, SpeculatorOptions
 
 DEFAULT_MAX_MODEL_LEN = 4096
 CPU_KV_BUDGET = 1 << 30
@@ -55,15 +58,35 @@ class EngineCore:
         model_cfg = read_config(path)
         max_len = min(config.max_model_len or min(model_cfg.max_position, DEFAULT_MAX_MODEL_LEN),
                       model_cfg.max_position)
-        per_block = ModelRunner.kv_bytes_per_block(model_cfg, config.block_size, self.dtype)
+        spec_cls = self._speculator_class(model_cfg)
+        per_block = kv_bytes_per_block(model_cfg, config.block_size, self.dtype)
+        if spec_cls is not None and spec_cls.capabilities.lookahead_slots_per_draft:
+            per_block *= 2  # a drafter with its own KV of at most the target's size
         num_blocks = config.num_kv_blocks or self._blocks_from_budget(per_block)
+        k = config.num_speculative_tokens if spec_cls is not None else 0
+        lookahead = spec_cls.capabilities.lookahead_slots(k) if spec_cls is not None else 0
         # One request must always fit alone, or preemption could never make progress.
-        self.max_model_len = min(max_len, num_blocks * config.block_size)
+        self.max_model_len = min(max_len, num_blocks * config.block_size - lookahead)
+        if self.max_model_len < 2:
+            raise InvalidInputError(f"KV cache of {num_blocks} blocks holds no request; give it more memory")
         self.model_cfg = model_cfg
-        model = load_model(path, self.dtype, self.platform.device, self.max_model_len)
-        self.runner = ModelRunner(model, self.platform.device, num_blocks, config.block_size)
+        model = load_model(path, self.dtype, self.platform.device, self.max_model_len + lookahead)
+        self.speculator = None
+        if spec_cls is not None:
+            ctx = SpeculatorContext(
+                target=model_cfg, target_path=path, device=self.platform.device, dtype=self.dtype,
+                num_kv_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
+                options=SpeculatorOptions(num_speculative_tokens=k, draft_model=config.draft_model,
+                                          extra=dict(config.speculator_options)))
+            self.speculator = spec_cls(ctx)
+        self.runner = ModelRunner(model, self.platform.device, num_blocks, config.block_size,
+                                  speculator=self.speculator, num_speculative_tokens=k,
+                                  use_triton=self.platform.capabilities.device_type == "cuda")
+        policy = None if spec_cls is None else SpecPolicy(
+            num_speculative_tokens=k, lookahead_slots=lookahead,
+            variable_width=spec_cls.capabilities.draft_width == "variable", skip_drafts=config.skip_drafts)
         self.scheduler = Scheduler(BlockManager(num_blocks, config.block_size),
-                                   config.max_num_seqs, config.max_num_batched_tokens)
+                                   config.max_num_seqs, config.max_num_batched_tokens, policy)
         self.ledger = Ledger(self.scheduler)
         self.seeds = np.random.default_rng(config.seed)
         self.inbox: deque[FrontendMessage] = deque()
@@ -74,6 +97,30 @@ class EngineCore:
         self.started = time.monotonic()
         self.log.info("engine_core_ready", platform=self.platform.name, dtype=str(self.dtype),
                       num_kv_blocks=num_blocks, max_model_len=self.max_model_len, model=str(path))
+
+    def _speculator_class(self, model_cfg: ModelConfig) -> Any:
+        """Loads and validates the speculator before any weight is read: bad names and
+        capabilities this target or platform cannot serve fail here, before any request."""
+        name = self.config.speculator
+        if name is None:
+            return None
+        cls = plugins.load("speculator", name)
+        caps: SpeculatorCapabilities = cls.capabilities
+        k = self.config.num_speculative_tokens
+        if k > caps.max_k:
+            raise InvalidInputError(f"speculator {name!r} drafts at most {caps.max_k} tokens; got K={k}")
+        bad_layers = [layer for layer in caps.target_hidden_layers if not 0 <= layer < model_cfg.num_layers]
+        if bad_layers:
+            raise InvalidInputError(f"speculator {name!r} needs hidden states of layers {bad_layers}; "
+                                    f"the target has {model_cfg.num_layers}")
+        unsupported = [what for what, needed in (
+            ("target hidden states", bool(caps.target_hidden_layers)),
+            ("target KV rows", caps.uses_target_kv),
+            ("remote placement", caps.placement != "local_last_stage")) if needed]
+        if unsupported:
+            raise InvalidInputError(
+                f"speculator {name!r} needs {', '.join(unsupported)}, which this runner cannot serve yet")
+        return cls
 
     def _blocks_from_budget(self, per_block: int) -> int:
         budget = self.config.kv_cache_bytes
@@ -134,8 +181,12 @@ class EngineCore:
             "kv_blocks_total": blocks.num_blocks,
             "kv_blocks_free": blocks.num_free,
             "uptime_s": time.monotonic() - self.started,
-            "spec": {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-                     "num_k0_steps": 0, "num_host_draft_copies": 0},
+            "spec": self.ledger.spec.summary() | {
+                "speculator": self.config.speculator,
+                "num_speculative_tokens": self.runner.k,
+                "num_k0_steps": self.ledger.num_k0_steps,
+                "num_host_draft_copies": self.ledger.num_host_draft_copies,
+            },
         }
 
     # --- stepping ---------------------------------------------------------------------------

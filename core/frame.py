@@ -27,15 +27,33 @@ class ScheduledRow(msgspec.Struct, frozen=True, array_like=True):
     block_ids: list[int]
     sampling: RowSampling | None
     """None for a prefill chunk that ends before the last known token: nothing is sampled."""
+    draft_token_ids: list[int] = []
+    """Drafts to verify whose IDs the host holds (variable width, or a structured-output batch)."""
+    num_draft_slots: int = 0
+    """Drafts to verify that stayed on the device (fixed width): the host knows only the count."""
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.draft_token_ids) + self.num_draft_slots
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.num_drafts
 
 
 class StepFrame(msgspec.Struct, frozen=True, array_like=True):
     step_id: int
     rows: list[ScheduledRow]
+    skip_drafts: bool = False
+    """K=0 step: no scheduled request can use drafts proposed after it."""
+    host_drafts: bool = False
+    """Draft IDs proposed after this step must reach the host."""
+    finished_req_ids: list[str] = []
+    """Requests finished or preempted since the last frame: their device state can go."""
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.rows)
+        return sum(r.num_tokens for r in self.rows)
 
 
 class RowResult(msgspec.Struct, frozen=True, array_like=True):
@@ -43,6 +61,13 @@ class RowResult(msgspec.Struct, frozen=True, array_like=True):
     generation: int
     sampled: list[int]
     """Confirmed new tokens for this row (empty for a non-final prefill chunk)."""
+    num_drafts: int = 0
+    """Drafts this step verified for the row."""
+    num_accepted: int = 0
+    next_draft_ids: list[int] | None = None
+    """Drafts for the next step, when they were copied to the host (trimmed at the first -1)."""
+    num_next_drafts: int = 0
+    """Drafts for the next step that stay on the device."""
 
 
 class StepResult(msgspec.Struct, frozen=True, array_like=True):
@@ -50,3 +75,6 @@ class StepResult(msgspec.Struct, frozen=True, array_like=True):
     rows: list[RowResult]
     error: str | None = None
     """Set when the step failed on the device; its rows' requests fail, the engine goes on."""
+    k0: bool = False
+    """The speculator ran only its sync pass (or its drafts were dropped)."""
+    num_host_draft_copies: int = 0

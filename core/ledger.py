@@ -1,14 +1,17 @@
 """The frame ledger: the only place where model output changes request state.
 
-A result is applied atomically; rows whose (req_id, generation) no longer match a live request
-are discarded, so output never lands on a request that was preempted, aborted, finished, or
-whose id was reused since the frame was scheduled.
+A result is applied atomically per row: confirmed tokens (stop conditions checked token by
+token), the rollback of rejected draft positions, the drafts for the next step, and the
+speculation counters. Rows whose (req_id, generation) no longer match a live request are
+discarded, so output never lands on a request that was preempted, aborted, finished, or whose
+id was reused since the frame was scheduled.
 """
 
 from __future__ import annotations
 
 from .frame import StepFrame, StepResult
 from .messages import RequestDelta
+from .request import SpecCounters
 from .scheduler import Scheduler
 
 
@@ -22,6 +25,9 @@ class Ledger:
         self.in_flight: dict[int, StepFrame] = {}
         self.num_stale_rows = 0
         self.num_generated_tokens = 0
+        self.num_k0_steps = 0
+        self.num_host_draft_copies = 0
+        self.spec = SpecCounters()
 
     def submit(self, frame: StepFrame) -> None:
         self.in_flight[frame.step_id] = frame
@@ -33,8 +39,10 @@ class Ledger:
         scheduled = [(r.req_id, r.generation) for r in frame.rows]
         if [(r.req_id, r.generation) for r in result.rows] != scheduled:
             raise LedgerError(f"step {result.step_id}: result rows do not match the frame's rows")
+        self.num_k0_steps += result.k0
+        self.num_host_draft_copies += result.num_host_draft_copies
         deltas: list[RequestDelta] = []
-        for row in result.rows:
+        for sched_row, row in zip(frame.rows, result.rows, strict=True):
             req = self.scheduler.requests.get(row.req_id)
             if req is None or req.generation != row.generation:
                 self.num_stale_rows += 1
@@ -44,6 +52,11 @@ class Ledger:
                 self.scheduler.finish(req, "error")
                 deltas.append(RequestDelta(req.req_id, [], "error", result.error))
                 continue
+            if row.num_accepted > row.num_drafts or row.num_drafts != sched_row.num_drafts:
+                raise LedgerError(f"step {result.step_id}: {row.req_id} accepted more drafts than it verified")
+            req.num_computed_tokens -= row.num_drafts - row.num_accepted  # rejected positions are void
+            req.spec.record(row.num_drafts, row.num_accepted)
+            self.spec.record(row.num_drafts, row.num_accepted)
             new: list[int] = []
             reason = None
             for token in row.sampled:
@@ -55,6 +68,12 @@ class Ledger:
             self.num_generated_tokens += len(new)
             if reason is not None:
                 self.scheduler.finish(req, reason)
-            if new or reason is not None:
-                deltas.append(RequestDelta(req.req_id, new, reason))
+                deltas.append(RequestDelta(req.req_id, new, reason, stats=req.spec.summary()))
+                continue
+            if row.next_draft_ids is not None:
+                req.draft_token_ids = row.next_draft_ids
+            else:
+                req.num_draft_slots = row.num_next_drafts
+            if new:
+                deltas.append(RequestDelta(req.req_id, new))
         return deltas

@@ -51,6 +51,8 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     finish_reason: str | None = None
     error: str | None = None
     """Set when the request failed inside the engine (finish_reason is then 'error')."""
+    stats: dict[str, Any] | None = None
+    """Per-request speculation counters, on the final delta."""
 
 
 class CoreOutputs(msgspec.Struct, **WIRE):

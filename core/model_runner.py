@@ -1,73 +1,148 @@
-"""Runs one StepFrame on the device: builds paged-attention metadata, forwards, samples."""
+"""Runs one StepFrame on the device: forward, sample or verify, then propose the next drafts.
+
+Fixed-width drafts stay in a device-side store between steps: the frame carries only their
+count and the runner splices them into the next input on the device. Draft IDs are copied to
+the host only when the frame asks for it (variable width, structured output).
+"""
 
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import dataclass
+
 import torch
 
-from .frame import RowResult, StepFrame, StepResult
-from .models.llama import AttentionMetadata, LlamaModel
+from .frame import RowResult, ScheduledRow, StepFrame, StepResult
+from .models.llama import LlamaModel
+from .models.paged import build_metadata, new_kv_cache
 from .sampler import sample
+from .speculator import ProposeRow, Speculator
+from .verify import verify
+
+
+@dataclass
+class StoredDrafts:
+    generation: int
+    token_ids: torch.Tensor
+    """[K] int64 on the device."""
+    probs: torch.Tensor | None
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, device: torch.device, num_blocks: int, block_size: int) -> None:
-        cfg = model.cfg
+    def __init__(self, model: LlamaModel, device: torch.device, num_blocks: int, block_size: int,
+                 speculator: Speculator | None = None, num_speculative_tokens: int = 0,
+                 use_triton: bool = False) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
-        dtype = model.embed.weight.dtype
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads,
-                                    cfg.head_dim, dtype=dtype, device=device)
+        self.kv_cache = new_kv_cache(model.cfg, num_blocks, block_size, model.embed.weight.dtype, device)
+        self.speculator = speculator
+        self.k = num_speculative_tokens
+        self.use_triton = use_triton
+        self.drafts: dict[str, StoredDrafts] = {}
 
-    @staticmethod
-    def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype) -> int:  # type: ignore[no-untyped-def]
-        elem = torch.empty((), dtype=dtype).element_size()
-        return model_cfg.num_layers * 2 * block_size * model_cfg.num_kv_heads * model_cfg.head_dim * elem
+    def _row_input(self, row: ScheduledRow) -> torch.Tensor:
+        host = torch.tensor(row.token_ids + row.draft_token_ids, dtype=torch.int64)
+        if not row.num_draft_slots:
+            return host
+        stored = self.drafts[row.req_id]
+        assert stored.generation == row.generation, "device drafts belong to another generation"
+        return torch.cat([host.to(self.device), stored.token_ids[: row.num_draft_slots]])
 
-    def metadata(self, frame: StepFrame) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
-        bs = self.block_size
-        ids, positions, slots, ctx_slots, q_rows, k_rows, k_pos, sample_idx = [], [], [], [], [], [], [], []
-        offset = 0
-        for r, row in enumerate(frame.rows):
-            n, end = len(row.token_ids), row.start_pos + len(row.token_ids)
-            table = np.asarray(row.block_ids, dtype=np.int64)
-            pos = np.arange(row.start_pos, end)
-            ctx = np.arange(end)
-            ids.append(np.asarray(row.token_ids, dtype=np.int64))
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            ctx_slots.append(table[ctx // bs] * bs + ctx % bs)
-            q_rows.append(np.full(n, r))
-            k_rows.append(np.full(end, r))
-            k_pos.append(ctx)
-            offset += n
-            if row.sampling is not None:
-                sample_idx.append(offset - 1)
-        q_pos, kp = np.concatenate(positions), np.concatenate(k_pos)
-        mask = (np.concatenate(q_rows)[:, None] == np.concatenate(k_rows)[None, :]) & (kp[None, :] <= q_pos[:, None])
+    def _input_ids(self, frame: StepFrame) -> torch.Tensor:
+        if not any(r.num_draft_slots for r in frame.rows):
+            ids = [t for r in frame.rows for t in r.token_ids + r.draft_token_ids]
+            return torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        return torch.cat([self._row_input(r).to(self.device) for r in frame.rows])
 
-        def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(self.device, non_blocking=True)
-
-        meta = AttentionMetadata(positions=dev(q_pos), slot_mapping=dev(np.concatenate(slots)),
-                                 context_slots=dev(np.concatenate(ctx_slots)), mask=dev(mask))
-        return dev(np.concatenate(ids)), meta, sample_idx
+    def forward(self, frame: StepFrame) -> torch.Tensor:
+        meta = build_metadata([(r.start_pos, r.num_tokens, r.block_ids) for r in frame.rows],
+                              self.block_size, self.device)
+        return self.model(self._input_ids(frame), self.kv_cache, meta)
 
     @torch.inference_mode()
     def execute(self, frame: StepFrame) -> StepResult:
-        input_ids, meta, sample_idx = self.metadata(frame)
-        hidden = self.model(input_ids, self.kv_cache, meta)
-        logits = self.model.logits(hidden[sample_idx])
-        sampled = iter(sample(logits, [r.sampling for r in frame.rows if r.sampling is not None]))
-        return StepResult(
-            step_id=frame.step_id,
-            rows=[RowResult(r.req_id, r.generation, [next(sampled)] if r.sampling is not None else [])
-                  for r in frame.rows],
-        )
+        for req_id in frame.finished_req_ids:
+            self.drafts.pop(req_id, None)
+            if self.speculator is not None:
+                self.speculator.release(req_id)
+        hidden = self.forward(frame)
+        ends = torch.tensor([r.num_tokens for r in frame.rows]).cumsum(0).tolist()
+        sampling_rows = [(i, r) for i, r in enumerate(frame.rows) if r.sampling is not None]
+        k = max((r.num_drafts for _, r in sampling_rows), default=0)
+        if k == 0:
+            logits = self.model.logits(hidden[[ends[i] - 1 for i, _ in sampling_rows]])
+            tokens = [[t] for t in sample(logits, [r.sampling for _, r in sampling_rows])]  # type: ignore[misc]
+            accepted = [0] * len(sampling_rows)
+        else:
+            tokens, accepted = self._verify(frame, hidden, ends, sampling_rows, k)
+        out: dict[int, tuple[list[int], int]] = {
+            i: (tokens[j], accepted[j]) for j, (i, _) in enumerate(sampling_rows)}
+        result_rows = [RowResult(r.req_id, r.generation, out.get(i, ([], 0))[0], r.num_drafts,
+                                 out.get(i, ([], 0))[1]) for i, r in enumerate(frame.rows)]
+        if self.speculator is None or not sampling_rows:
+            return StepResult(frame.step_id, result_rows)
+        return self._propose(frame, result_rows, sampling_rows)
+
+    def _verify(self, frame: StepFrame, hidden: torch.Tensor, ends: list[int],
+                sampling_rows: list[tuple[int, ScheduledRow]], k: int) -> tuple[list[list[int]], list[int]]:
+        positions, draft_ids, probs = [], [], []
+        sampled_drafts = self.speculator is not None and self.speculator.capabilities.sampled_drafts
+        for i, row in sampling_rows:
+            d = row.num_drafts
+            first = ends[i] - 1 - d
+            positions.append([first + min(j, d) for j in range(k + 1)])
+            ids = torch.full((k,), -1, dtype=torch.int64, device=self.device)
+            q = torch.zeros(k, self.model.cfg.vocab_size, device=self.device) if sampled_drafts else None
+            if d:
+                stored = self.drafts.get(row.req_id)
+                ids[:d] = (stored.token_ids[:d] if row.num_draft_slots and stored is not None
+                           else torch.tensor(row.draft_token_ids, device=self.device))
+                if q is not None and stored is not None and stored.probs is not None:
+                    q[:d] = stored.probs[:d]
+            draft_ids.append(ids)
+            if q is not None:
+                probs.append(q)
+        logits = self.model.logits(hidden[torch.tensor(positions, device=self.device)])
+        out, nacc = verify(logits, torch.stack(draft_ids), [r.sampling for _, r in sampling_rows],  # type: ignore[misc]
+                           torch.stack(probs) if probs else None, use_triton=self.use_triton)
+        host_tokens, host_nacc = out.tolist(), nacc.tolist()
+        return [[t for t in row if t >= 0] for row in host_tokens], host_nacc
+
+    def _propose(self, frame: StepFrame, rows: list[RowResult],
+                 sampling_rows: list[tuple[int, ScheduledRow]]) -> StepResult:
+        assert self.speculator is not None
+        spec = self.speculator
+        propose_rows = [
+            ProposeRow(r.req_id, r.generation, r.start_pos, r.token_ids, rows[i].sampled, r.block_ids,
+                       r.sampling.temperature, r.sampling.seed)  # type: ignore[union-attr]
+            for i, r in sampling_rows
+        ]
+        if frame.skip_drafts and spec.capabilities.supports_k0:
+            spec.sync(propose_rows)
+            return StepResult(frame.step_id, rows, k0=True)
+        drafts = spec.propose(propose_rows, self.k)
+        if frame.skip_drafts:  # the speculator cannot skip drafting: its drafts are dropped
+            return StepResult(frame.step_id, rows, k0=True)
+        for j, (i, r) in enumerate(sampling_rows):
+            probs = drafts.probs[j] if drafts.probs is not None else None
+            self.drafts[r.req_id] = StoredDrafts(r.generation, drafts.token_ids[j], probs)
+        copies = 0
+        if frame.host_drafts:
+            host = drafts.token_ids.tolist()
+            copies = 1
+        for j, (i, _) in enumerate(sampling_rows):
+            row = rows[i]
+            if frame.host_drafts:
+                ids = host[j]
+                cut = next((n for n, t in enumerate(ids) if t < 0), len(ids))
+                rows[i] = RowResult(row.req_id, row.generation, row.sampled, row.num_drafts, row.num_accepted,
+                                    next_draft_ids=ids[:cut])
+            else:
+                rows[i] = RowResult(row.req_id, row.generation, row.sampled, row.num_drafts, row.num_accepted,
+                                    num_next_drafts=self.k)
+        return StepResult(frame.step_id, rows, num_host_draft_copies=copies)
 
     @torch.inference_mode()
     def prompt_logits(self, frame: StepFrame) -> torch.Tensor:
         """Logits of every position of a frame (tests compare them with a reference model)."""
-        input_ids, meta, _ = self.metadata(frame)
-        return self.model.logits(self.model(input_ids, self.kv_cache, meta))
+        return self.model.logits(self.forward(frame))

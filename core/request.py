@@ -8,6 +8,44 @@ from dataclasses import dataclass, field
 from .sampling_params import SamplingParams
 
 
+@dataclass(slots=True)
+class SpecCounters:
+    """Speculation counters, kept per request and engine-wide."""
+
+    num_verify_steps: int = 0
+    """Steps that verified at least one draft."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts == 0:
+            return
+        self.num_verify_steps += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        grow = num_drafts - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for j in range(num_drafts):
+            self.drafted_per_position[j] += 1
+            self.accepted_per_position[j] += j < num_accepted
+
+    def summary(self) -> dict[str, object]:
+        steps, drafted = self.num_verify_steps, self.num_draft_tokens
+        return {
+            "num_drafts": steps,
+            "num_draft_tokens": drafted,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.num_accepted_tokens / drafted if drafted else 0.0,
+            "mean_acceptance_length": (self.num_accepted_tokens + steps) / steps if steps else 0.0,
+            "acceptance_per_position": [a / d if d else 0.0 for a, d in
+                                        zip(self.accepted_per_position, self.drafted_per_position, strict=True)],
+        }
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -36,6 +74,11 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Drafts proposed after the last applied step, held on the host."""
+    num_draft_slots: int = 0
+    """Drafts proposed after the last applied step that stayed on the device."""
+    spec: SpecCounters = field(default_factory=lambda: SpecCounters())
 
     @property
     def num_tokens(self) -> int:

@@ -1,9 +1,10 @@
-"""Continuous batching with chunked prefill and preemption by recompute.
+"""Continuous batching with chunked prefill, draft slots and preemption by recompute.
 
-One `schedule()` reads top to bottom: running requests first (decode, or the next chunk of a
-prefill), then waiting requests while the token budget and `max_num_seqs` allow. When blocks
-run out, the most recently admitted running request is preempted: its blocks are freed, its
-generation bumped, and it recomputes from its prompt plus the output it already has.
+One `schedule()` reads top to bottom: running requests first (decode with its drafts, or the
+next chunk of a prefill), then waiting requests while the token budget and `max_num_seqs`
+allow. When blocks run out, the most recently admitted running request is preempted: its
+blocks are freed, its generation renewed, and it recomputes from its prompt plus the output
+it already has.
 """
 
 from __future__ import annotations
@@ -11,21 +12,36 @@ from __future__ import annotations
 import itertools
 from collections import deque
 
+import msgspec
+
 from .block_manager import BlockManager
 from .frame import RowSampling, ScheduledRow, StepFrame
 from .request import Request, Status
 
 
+class SpecPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    """What the scheduler needs to know of the speculator: derived from its capabilities."""
+
+    num_speculative_tokens: int
+    lookahead_slots: int
+    variable_width: bool
+    skip_drafts: bool = True
+    """Allow K=0 steps (off: `--no-skip-drafts`, for comparison)."""
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 spec: SpecPolicy | None = None) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.spec = spec
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.next_step_id = 0
         self.num_preemptions = 0
+        self.finished_ids: list[str] = []
         # Generations come from one counter, so (req_id, generation) is never reused, even
         # when a caller reuses a request id after the first request finished.
         self.generations = itertools.count(1)
@@ -47,43 +63,80 @@ class Scheduler:
             if req.in_flight:  # its next input is the output of a frame not yet applied
                 i += 1
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.blocks.ensure(req, req.num_computed_tokens + n):
+            n_known, drafts, slots = self._plan(req, budget)
+            while not self.blocks.ensure(req, self._slots_needed(req, n_known + len(drafts) + slots)):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is req:
                     break
             if req.status is not Status.RUNNING:
                 break
-            rows.append(self._row(req, n))
-            budget -= n
+            rows.append(self._row(req, n_known, drafts, slots))
+            budget -= rows[-1].num_tokens
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.blocks.ensure(req, req.num_computed_tokens + n):
+            n_known, _, _ = self._plan(req, budget)
+            if not self.blocks.ensure(req, self._slots_needed(req, n_known)):
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
-            rows.append(self._row(req, n))
-            budget -= n
+            rows.append(self._row(req, n_known, [], 0))
+            budget -= n_known
         if not rows:
             return None
-        frame = StepFrame(step_id=self.next_step_id, rows=rows)
+        frame = StepFrame(
+            step_id=self.next_step_id,
+            rows=rows,
+            skip_drafts=self._skip_drafts(rows),
+            host_drafts=self.spec is not None and (
+                self.spec.variable_width or any(self.requests[r.req_id].params.structured_output for r in rows)),
+            finished_req_ids=self.finished_ids,
+        )
+        self.finished_ids = []
         self.next_step_id += 1
         return frame
 
-    def _row(self, req: Request, n: int) -> ScheduledRow:
+    def _plan(self, req: Request, budget: int) -> tuple[int, list[int], int]:
+        """(known tokens, host drafts, device draft slots) to schedule for req within budget."""
+        n_known = min(req.num_tokens - req.num_computed_tokens, budget)
+        if req.num_computed_tokens + n_known < req.num_tokens:
+            return n_known, [], 0
+        # Drafts past what the request may still emit could never count: don't verify them.
+        room = min(budget - n_known, req.params.max_tokens - len(req.output_token_ids) - 1,
+                   req.max_total_tokens - req.num_tokens - 1)
+        room = max(room, 0)
+        return n_known, req.draft_token_ids[:room], min(req.num_draft_slots, room)
+
+    def _slots_needed(self, req: Request, n: int) -> int:
+        lookahead = self.spec.lookahead_slots if self.spec is not None else 0
+        return min(req.num_computed_tokens + n + lookahead, req.max_total_tokens + lookahead)
+
+    def _row(self, req: Request, n: int, drafts: list[int], slots: int) -> ScheduledRow:
         start = req.num_computed_tokens
-        req.num_computed_tokens += n
+        req.num_computed_tokens += n + len(drafts) + slots
         req.in_flight += 1
-        final = req.num_computed_tokens == req.num_tokens
+        req.draft_token_ids, req.num_draft_slots = [], 0
         p = req.params
+        final = start + n == req.num_tokens
         sampling = (RowSampling(p.temperature, p.top_k, p.top_p, req.seed, len(req.output_token_ids))
                     if final else None)
         return ScheduledRow(req.req_id, req.generation, start, req.token_ids(start, start + n),
-                            list(req.block_ids), sampling)
+                            list(req.block_ids), sampling, drafts, slots)
+
+    def _skip_drafts(self, rows: list[ScheduledRow]) -> bool:
+        """K=0 when no row can verify drafts proposed after this step: rows that sample nothing
+        (non-final prefill chunks) and rows sure to finish with the token this step emits."""
+        if self.spec is None or not self.spec.skip_drafts:
+            return False
+        return not any(row.sampling is not None and self.may_continue(self.requests[row.req_id]) for row in rows)
+
+    @staticmethod
+    def may_continue(req: Request) -> bool:
+        """False when req will surely stop after its next emitted token (even with no draft accepted)."""
+        return (len(req.output_token_ids) + 1 < req.params.max_tokens
+                and req.num_tokens + 1 < req.max_total_tokens)
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -93,11 +146,13 @@ class Scheduler:
         req.generation = next(self.generations)
         req.status = Status.WAITING
         req.num_preemptions += 1
+        req.draft_token_ids, req.num_draft_slots = [], 0
         self.num_preemptions += 1
+        self.finished_ids.append(req.req_id)
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str) -> None:
-        """Aborted or done: blocks back to the free list, generation bumped, forgotten."""
+        """Aborted or done: blocks back to the free list, generation renewed, forgotten."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.WAITING:
@@ -107,4 +162,6 @@ class Scheduler:
         req.in_flight = 0
         req.status = Status.FINISHED
         req.finish_reason = reason
+        req.draft_token_ids, req.num_draft_slots = [], 0
+        self.finished_ids.append(req.req_id)
         self.requests.pop(req.req_id, None)

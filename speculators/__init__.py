@@ -1,0 +1,1 @@
+"""Built-in speculators, found through the `speckernel.speculators` entry points."""
