@@ -80,8 +80,11 @@ class AsyncEngine:
 
     async def __aenter__(self) -> AsyncEngine:
         log.configure(self.config.log_level)
+        # Unknown names fail here, before a process is spawned or a weight is read.
         if self.config.platform is not None:
-            plugins.load("platform", self.config.platform)  # unknown name: fail before any spawn
+            plugins.load("platform", self.config.platform)
+        if self.config.speculator is not None:
+            plugins.load("speculator", self.config.speculator)
         path = await anyio.to_thread.run_sync(resolve, self.config.model)
         self.tokenizer = await anyio.to_thread.run_sync(Tokenizer.load, path)
         client: CoreClient = InprocClient(self.config) if self.config.in_process else ProcessClient(self.config)
@@ -212,7 +215,7 @@ class AsyncEngine:
                 yield RequestOutput(
                     request_id=req_id, delta_text=delta_text, delta_token_ids=item.new_token_ids,
                     text=detok.text, token_ids=list(detok.token_ids), prompt_token_ids=prompt_ids,
-                    finished=done, finish_reason=reason, timing=timing,
+                    finished=done, finish_reason=reason, timing=timing, stats=item.stats,
                 )
                 if done:
                     return

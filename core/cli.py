@@ -27,6 +27,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--in-process", action="store_true", help="run the engine core in this process")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--speculator", default=None, help="a speculator name (see `speckernel plugins`)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="K, drafts per step")
+    p.add_argument("--draft-model", default=None, help="checkpoint for draft_model (default: the target)")
+    p.add_argument("--no-skip-drafts", action="store_true", help="never run K=0 steps (for comparison)")
 
 
 def sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -53,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     sampling_args(chat, 512)
     plugins = sub.add_parser("plugins", help="list discovered speculators, platforms and transports")
     plugins.add_argument("--json", action="store_true")
+    from .bench import add_arguments
+
+    add_arguments(sub)
     return parser
 
 
@@ -61,7 +68,9 @@ def config_from(args: argparse.Namespace) -> Any:
 
     return EngineConfig(model=args.model, platform=args.platform, dtype=args.dtype,
                         max_model_len=args.max_model_len, in_process=args.in_process,
-                        log_level=args.log_level)
+                        log_level=args.log_level, speculator=args.speculator,
+                        num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
+                        skip_drafts=not args.no_skip_drafts)
 
 
 def params_from(args: argparse.Namespace) -> Any:
@@ -106,7 +115,7 @@ async def cmd_generate(args: argparse.Namespace) -> int:
             "total_s": timing.total_s,
             "decode_tokens_per_s": (len(out.token_ids) - 1) / decode_s if decode_s > 0 else None,
         },
-        "stats": stats["spec"] | {"num_preemptions": stats["num_preemptions"]},
+        "stats": {**(out.stats or {}), "engine": stats["spec"], "num_preemptions": stats["num_preemptions"]},
         "engine": {"platform": engine.info.platform, "dtype": engine.info.dtype,
                    "max_model_len": engine.info.max_model_len},
     }))
@@ -160,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plugins":
             return cmd_plugins(args)
+        if args.command == "bench":
+            from .bench import main as bench_main
+
+            return bench_main(args)
         command = cmd_generate if args.command == "generate" else cmd_chat
         return anyio.run(command, args)
     except InvalidInputError as e:

@@ -167,8 +167,8 @@ class ProcessClient(CoreClient):
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            try:
-                self.send(Shutdown())
+            try:  # never block: a core on its way out may have no socket left to receive this
+                self.tx.send_multipart(self.encoder.encode(Shutdown()), flags=zmq.NOBLOCK, copy=False)
             except zmq.ZMQError:
                 pass
             if not await anyio.to_thread.run_sync(self._wait, 10.0):

@@ -43,7 +43,10 @@ def run_core_process(config: EngineConfig, in_addr: str, out_addr: str, parent_p
 
         core = EngineCore(config)
     except Exception as e:
-        logger.exception("engine_core_start_failed")
+        if isinstance(e, InvalidInputError):  # the caller's mistake: the frontend reports it
+            logger.info("engine_core_start_refused", error=str(e))
+        else:
+            logger.exception("engine_core_start_failed")
         send(CoreFailed(type(e).__name__, str(e), isinstance(e, InvalidInputError)))
         ctx.destroy(linger=2000)
         return

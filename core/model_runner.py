@@ -79,8 +79,10 @@ class ModelRunner:
             i: (tokens[j], accepted[j]) for j, (i, _) in enumerate(sampling_rows)}
         result_rows = [RowResult(r.req_id, r.generation, out.get(i, ([], 0))[0], r.num_drafts,
                                  out.get(i, ([], 0))[1]) for i, r in enumerate(frame.rows)]
-        if self.speculator is None or not sampling_rows:
+        if self.speculator is None:
             return StepResult(frame.step_id, result_rows)
+        if not sampling_rows:  # prefill chunks only: nothing to draft from yet
+            return StepResult(frame.step_id, result_rows, k0=frame.skip_drafts)
         return self._propose(frame, result_rows, sampling_rows)
 
     def _verify(self, frame: StepFrame, hidden: torch.Tensor, ends: list[int],

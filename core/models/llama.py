@@ -18,15 +18,30 @@ from .rope import apply_rope, cos_sin_table
 
 
 @dataclass
+class AttentionGroup:
+    """Sequences attended together, padded to a common query and context length."""
+
+    q_index: torch.Tensor
+    """[R, Q] index into the step's tokens of each (padded) query."""
+    k_slots: torch.Tensor
+    """[R, L] flat cache slots of each sequence's context (padded)."""
+    mask: torch.Tensor
+    """[R, Q, L] True where a query may attend a context slot."""
+    valid: torch.Tensor
+    """[R, Q] True for real (not padding) queries."""
+    out_index: torch.Tensor
+    """[T_group] step token index of each real query, in `valid` order."""
+
+
+@dataclass
 class AttentionMetadata:
     positions: torch.Tensor
     """[T] position of each new token."""
     slot_mapping: torch.Tensor
     """[T] flat cache slot where each new token's K/V is written."""
-    context_slots: torch.Tensor
-    """[S] flat cache slots of every sequence's whole context, sequences concatenated."""
-    mask: torch.Tensor
-    """[T, S] True where a query may attend a context slot."""
+    groups: list[AttentionGroup]
+    """Decode-like rows share one padded group; each long prefill chunk is a group of its own,
+    so attention costs what the sequences need, not (all queries) x (all contexts)."""
 
 
 class RMSNorm(nn.Module):
@@ -69,12 +84,18 @@ class Attention(nn.Module):
         k_cache, v_cache = kv[0], kv[1]
         k_cache[meta.slot_mapping] = k
         v_cache[meta.slot_mapping] = v
-        keys = k_cache[meta.context_slots].transpose(0, 1)
-        values = v_cache[meta.context_slots].transpose(0, 1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys, values, attn_mask=meta.mask, scale=self.scale, enable_gqa=True
-        )
-        return self.o(out.transpose(0, 1).reshape(t, self.nh * self.hd))
+        out = torch.empty_like(q)
+        for g in meta.groups:
+            attended = F.scaled_dot_product_attention(
+                q[g.q_index].transpose(1, 2),
+                k_cache[g.k_slots].transpose(1, 2),
+                v_cache[g.k_slots].transpose(1, 2),
+                attn_mask=g.mask[:, None],
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            out[g.out_index] = attended.transpose(1, 2)[g.valid]
+        return self.o(out.reshape(t, self.nh * self.hd))
 
 
 class MLP(nn.Module):
