@@ -125,7 +125,7 @@ class ModelRunner:
         drafts = spec.propose(propose_rows, self.k)
         if frame.skip_drafts:  # the speculator cannot skip drafting: its drafts are dropped
             return StepResult(frame.step_id, rows, k0=True)
-        for j, (i, r) in enumerate(sampling_rows):
+        for j, (_, r) in enumerate(sampling_rows):
             probs = drafts.probs[j] if drafts.probs is not None else None
             self.drafts[r.req_id] = StoredDrafts(r.generation, drafts.token_ids[j], probs)
         copies = 0

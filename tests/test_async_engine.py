@@ -30,7 +30,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 async def collect(engine: AsyncEngine, prompt: str, params: SamplingParams) -> list[int]:
     out = None
-    async for out in engine.generate(prompt, params):
+    async for out in engine.generate(prompt, params):  # noqa: B007 - the last output is kept
         pass
     assert out is not None and out.finished
     return out.token_ids
@@ -149,7 +149,7 @@ async def test_unknown_model_and_platform_fail_before_start() -> None:
     with pytest.raises(UnknownModelError, match="smollm2-135m"):
         async with AsyncEngine(EngineConfig(model="no-such-model")):
             pass
-    with pytest.raises(UnknownPluginError, match="available: .*cpu"):
+    with pytest.raises(UnknownPluginError, match=r"available: .*cpu"):
         async with AsyncEngine(EngineConfig(platform="tpu")):
             pass
 
@@ -170,7 +170,7 @@ async def test_in_process_mode_seeds_and_stop_strings() -> None:
         assert len(other_seeds) > 1
 
         plain = None
-        async for plain in engine.generate(PROMPTS[0], GREEDY):
+        async for plain in engine.generate(PROMPTS[0], GREEDY):  # noqa: B007
             pass
         assert plain is not None
         stop = plain.text.split()[3]

@@ -31,7 +31,9 @@ def test_greedy_is_argmax() -> None:
     assert sample(logits, rows) == logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 3, 1.0), (1.3, 0, 0.8)])
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 3, 1.0), (1.3, 0, 0.8)]
+)
 def test_samples_follow_the_filtered_distribution(temperature: float, top_k: int, top_p: float) -> None:
     n = 6000
     counts = np.bincount(draw(n, temperature, top_k, top_p), minlength=len(LOGITS))

@@ -34,7 +34,10 @@ def test_core_outputs_round_trip() -> None:
     assert Decoder(CoreOutputs).decode(Encoder().encode(msg)) == msg
 
 
-@pytest.mark.parametrize("frames", [[b""], [b"\xc1"], [b"\x92\xa3Bad\x01"], [msgspec.msgpack.encode(["AddRequest", "r", ["<i8", [3], 1], []])]])
+MALFORMED = [[b""], [b"\xc1"], [b"\x92\xa3Bad\x01"], [msgspec.msgpack.encode(["AddRequest", "r", ["<i8", [3], 1], []])]]
+
+
+@pytest.mark.parametrize("frames", MALFORMED)
 def test_malformed_frames_raise_decode_errors(frames: list[bytes]) -> None:
     with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
         Decoder(FrontendMessage).decode(frames)
