@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
 from .async_engine import AsyncEngine
 from .config import EngineConfig
@@ -70,9 +71,8 @@ async def bench_accept(args: argparse.Namespace) -> dict[str, Any]:
                         max_model_len=2048, in_process=True)
     runs: dict[str, Any] = {}
     for name in [None, *(args.speculator or ["ngram", "draft_model"])]:
-        config = base if name is None else EngineConfig(
-            **{**{f: getattr(base, f) for f in base.__struct_fields__}, "speculator": name,
-               "num_speculative_tokens": args.num_speculative_tokens, "draft_model": args.draft_model})
+        config = base if name is None else msgspec.structs.replace(
+            base, speculator=name, num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model)
         print(f"bench accept: {name or 'no speculation'} on {len(conversations)} prompts", file=sys.stderr)
         runs[name or "none"] = await run_one(config, conversations, params)
     reference = runs["none"]["outputs"]

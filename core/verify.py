@@ -105,10 +105,9 @@ def verify(
     u = torch.ones(r, k, device=device)
     final = logits.argmax(-1)
     safe_ids = draft_ids.clamp(min=0)
-    greedy_match = (final[:, :k] == draft_ids).float()
+    p_x[:] = (final[:, :k] == draft_ids).float()  # greedy rows; sampled rows are overwritten below
     for i, s in enumerate(sampling):
         if s.temperature == 0.0:
-            p_x[i] = greedy_match[i]
             continue
         p = torch.stack([target_probs(logits[i, j], s) for j in range(k1)])  # [K+1, V]
         gen = torch.Generator(device=device).manual_seed(draw_seed(s.seed ^ DRAFT_SALT, s.position))

@@ -68,11 +68,9 @@ class DraftModelSpeculator:
         probs = torch.zeros(len(rows), k, logits.shape[-1], device=self.device)
         lengths = [row.num_tokens for row in rows]
         for j in range(k):
+            drafts[:, j] = logits.argmax(-1)  # greedy rows; verification ignores q for them
             for i, row in enumerate(rows):
-                if row.temperature == 0.0:
-                    drafts[i, j] = logits[i].argmax()
-                    probs[i, j, drafts[i, j]] = 1.0
-                else:
+                if row.temperature != 0.0:
                     q = (logits[i] / row.temperature).softmax(-1)
                     gen = torch.Generator(device=self.device).manual_seed(
                         draw_seed(row.seed ^ DRAFT_SALT, lengths[i] + j))

@@ -77,3 +77,22 @@ def test_plugins_json_lists_builtins_with_capabilities() -> None:
     assert found["platforms"]["cuda"]["default_dtype"] == "bfloat16"
     assert {"inproc", "zmq"} <= set(found["transports"])
     assert found["transports"]["zmq"]["cross_process"] is True
+
+
+@pytest.mark.slow
+def test_generate_json_reports_speculation_counters() -> None:
+    """The target as its own draft model accepts every draft: the counters must say so."""
+    args = ["generate", "--raw", "--prompt", "The three primary colors are", "--max-tokens", "20",
+            "--temperature", "0", "--json", "--platform", "cpu"]
+    plain = json.loads(run(*args).stdout)
+    proc = run(*args, "--speculator", "draft_model", "--num-speculative-tokens", "3")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["token_ids"] == plain["token_ids"]
+    stats = out["stats"]
+    assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] == stats["num_draft_tokens"]
+    assert stats["acceptance_rate"] == 1.0 and stats["acceptance_per_position"] == [1.0, 1.0, 1.0]
+    assert stats["mean_acceptance_length"] == pytest.approx(1 + stats["num_draft_tokens"] / stats["num_drafts"])
+    assert stats["engine"]["num_host_draft_copies"] == 0
+    proc = run("generate", "--prompt", "hi", "--speculator", "no-such-drafter", timeout=120)
+    assert proc.returncode == 2 and "available: draft_model, ngram" in proc.stderr
