@@ -39,6 +39,7 @@ def add_arguments(sub: Any) -> None:
     acc.add_argument("--max-num-seqs", type=int, default=64)
     acc.add_argument("--model", default="smollm2-135m")
     acc.add_argument("--platform", default=None)
+    acc.add_argument("--dtype", default=None, help="float32 makes speculative and plain greedy runs bit-comparable")
     acc.add_argument("--out", default="bench-results/accept")
 
 
@@ -67,7 +68,7 @@ async def run_one(config: EngineConfig, conversations: list[list[dict[str, str]]
 async def bench_accept(args: argparse.Namespace) -> dict[str, Any]:
     conversations = humaneval_messages()[: args.limit]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    base = EngineConfig(model=args.model, platform=args.platform, max_num_seqs=args.max_num_seqs,
+    base = EngineConfig(model=args.model, platform=args.platform, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                         max_model_len=2048, in_process=True)
     runs: dict[str, Any] = {}
     for name in [None, *(args.speculator or ["ngram", "draft_model"])]:

@@ -34,6 +34,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     speculator_options: dict[str, str] = {}
     skip_drafts: bool = True
     """Allow K=0 steps when no scheduled request can use the drafts."""
+    async_scheduling: bool = True
+    """Schedule step N+1 while step N runs (decode requests without speculation run ahead on
+    a placeholder for the token step N samples)."""
 
     def validate(self) -> EngineConfig:
         from .errors import InvalidInputError

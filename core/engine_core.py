@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -86,7 +87,8 @@ class EngineCore:
             num_speculative_tokens=k, lookahead_slots=lookahead,
             variable_width=spec_cls.capabilities.draft_width == "variable", skip_drafts=config.skip_drafts)
         self.scheduler = Scheduler(BlockManager(num_blocks, config.block_size),
-                                   config.max_num_seqs, config.max_num_batched_tokens, policy)
+                                   config.max_num_seqs, config.max_num_batched_tokens, policy,
+                                   async_scheduling=config.async_scheduling)
         self.ledger = Ledger(self.scheduler)
         self.seeds = np.random.default_rng(config.seed)
         self.inbox: deque[FrontendMessage] = deque()
@@ -178,6 +180,7 @@ class EngineCore:
             "num_generated_tokens": self.ledger.num_generated_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_stale_rows": self.ledger.num_stale_rows,
+            "num_async_rows": self.ledger.num_async_rows,
             "kv_blocks_total": blocks.num_blocks,
             "kv_blocks_free": blocks.num_free,
             "uptime_s": time.monotonic() - self.started,
@@ -240,25 +243,35 @@ class EngineCore:
         return errors, results
 
     async def run(self, emit: Callable[[CoreMessage], Awaitable[None]]) -> None:
-        """Steps until a Shutdown message arrives; `emit` sends a message to the frontend."""
+        """Steps until a Shutdown message arrives; `emit` sends a message to the frontend.
+
+        One runner thread executes frames in order. With async scheduling the next frame is
+        scheduled and queued while the current one runs; results are applied in step order."""
         self.wakeup = anyio.Event()
-        while self.running:
-            errors, results = self._handle_inbox()
-            for r in results:
-                await emit(r)
-            if errors:
-                await emit(CoreOutputs(errors))
-            if not self.running:
-                break
-            frame = self.scheduler.schedule()
-            if frame is None:
-                if not self.inbox:
-                    await self.wakeup.wait()
-                self.wakeup = anyio.Event()
-                continue
-            self.ledger.submit(frame)
-            result = await anyio.to_thread.run_sync(self.execute, frame)
-            deltas = self._apply(result)
-            if deltas:
-                await emit(CoreOutputs(deltas))
+        depth = 2 if self.config.async_scheduling else 1
+        in_flight: deque[Future[StepResult]] = deque()
+        runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speckernel-runner")
+        try:
+            while self.running:
+                errors, results = self._handle_inbox()
+                for r in results:
+                    await emit(r)
+                if errors:
+                    await emit(CoreOutputs(errors))
+                if not self.running:
+                    break
+                while len(in_flight) < depth and (frame := self.scheduler.schedule()) is not None:
+                    self.ledger.submit(frame)
+                    in_flight.append(runner.submit(self.execute, frame))
+                if not in_flight:
+                    if not self.inbox:
+                        await self.wakeup.wait()
+                    self.wakeup = anyio.Event()
+                    continue
+                result = await anyio.to_thread.run_sync(in_flight.popleft().result)
+                deltas = self._apply(result)
+                if deltas:
+                    await emit(CoreOutputs(deltas))
+        finally:
+            runner.shutdown(wait=True, cancel_futures=True)
 

@@ -31,6 +31,9 @@ class ScheduledRow(msgspec.Struct, frozen=True, array_like=True):
     """Drafts to verify whose IDs the host holds (variable width, or a structured-output batch)."""
     num_draft_slots: int = 0
     """Drafts to verify that stayed on the device (fixed width): the host knows only the count."""
+    num_placeholder_inputs: int = 0
+    """Async scheduling: input tokens sampled by an earlier frame still in flight; the runner
+    takes them from the device, after the host token_ids."""
 
     @property
     def num_drafts(self) -> int:
@@ -38,7 +41,7 @@ class ScheduledRow(msgspec.Struct, frozen=True, array_like=True):
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids) + self.num_drafts
+        return len(self.token_ids) + self.num_placeholder_inputs + self.num_drafts
 
 
 class StepFrame(msgspec.Struct, frozen=True, array_like=True):

@@ -27,6 +27,8 @@ class Ledger:
         self.num_generated_tokens = 0
         self.num_k0_steps = 0
         self.num_host_draft_copies = 0
+        self.num_async_rows = 0
+        """Rows scheduled on a placeholder input while the frame producing it was in flight."""
         self.spec = SpecCounters()
 
     def submit(self, frame: StepFrame) -> None:
@@ -47,7 +49,12 @@ class Ledger:
             if req is None or req.generation != row.generation:
                 self.num_stale_rows += 1
                 continue
+            if req.last_applied_step >= result.step_id:
+                raise LedgerError(f"step {result.step_id} applied to {row.req_id} after step {req.last_applied_step}")
+            req.last_applied_step = result.step_id
+            self.num_async_rows += sched_row.num_placeholder_inputs > 0
             req.in_flight -= 1
+            req.num_placeholders -= sched_row.sampling is not None
             if result.error is not None:
                 self.scheduler.finish(req, "error")
                 deltas.append(RequestDelta(req.req_id, [], "error", result.error))

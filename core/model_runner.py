@@ -14,7 +14,7 @@ import torch
 from .frame import RowResult, ScheduledRow, StepFrame, StepResult
 from .models.llama import LlamaModel
 from .models.paged import build_metadata, new_kv_cache
-from .sampler import sample
+from .sampler import sample_on_device
 from .speculator import ProposeRow, Speculator
 from .verify import verify
 
@@ -39,17 +39,24 @@ class ModelRunner:
         self.k = num_speculative_tokens
         self.use_triton = use_triton
         self.drafts: dict[str, StoredDrafts] = {}
+        self.last_sampled: dict[str, tuple[int, torch.Tensor]] = {}
+        """Async scheduling: each request's latest sampled token, still on the device."""
 
     def _row_input(self, row: ScheduledRow) -> torch.Tensor:
-        host = torch.tensor(row.token_ids + row.draft_token_ids, dtype=torch.int64)
-        if not row.num_draft_slots:
-            return host
-        stored = self.drafts[row.req_id]
-        assert stored.generation == row.generation, "device drafts belong to another generation"
-        return torch.cat([host.to(self.device), stored.token_ids[: row.num_draft_slots]])
+        pieces = [torch.tensor(row.token_ids, dtype=torch.int64).to(self.device)]
+        if row.num_placeholder_inputs:
+            generation, token = self.last_sampled[row.req_id]
+            assert generation == row.generation, "placeholder input belongs to another generation"
+            pieces.append(token)
+        pieces.append(torch.tensor(row.draft_token_ids, dtype=torch.int64).to(self.device))
+        if row.num_draft_slots:
+            stored = self.drafts[row.req_id]
+            assert stored.generation == row.generation, "device drafts belong to another generation"
+            pieces.append(stored.token_ids[: row.num_draft_slots])
+        return torch.cat(pieces)
 
     def _input_ids(self, frame: StepFrame) -> torch.Tensor:
-        if not any(r.num_draft_slots for r in frame.rows):
+        if not any(r.num_draft_slots or r.num_placeholder_inputs for r in frame.rows):
             ids = [t for r in frame.rows for t in r.token_ids + r.draft_token_ids]
             return torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         return torch.cat([self._row_input(r).to(self.device) for r in frame.rows])
@@ -63,6 +70,7 @@ class ModelRunner:
     def execute(self, frame: StepFrame) -> StepResult:
         for req_id in frame.finished_req_ids:
             self.drafts.pop(req_id, None)
+            self.last_sampled.pop(req_id, None)
             if self.speculator is not None:
                 self.speculator.release(req_id)
         hidden = self.forward(frame)
@@ -71,7 +79,10 @@ class ModelRunner:
         k = max((r.num_drafts for _, r in sampling_rows), default=0)
         if k == 0:
             logits = self.model.logits(hidden[[ends[i] - 1 for i, _ in sampling_rows]])
-            tokens = [[t] for t in sample(logits, [r.sampling for _, r in sampling_rows])]  # type: ignore[misc]
+            on_device = sample_on_device(logits, [r.sampling for _, r in sampling_rows])  # type: ignore[misc]
+            for j, (_, r) in enumerate(sampling_rows):
+                self.last_sampled[r.req_id] = (r.generation, on_device[j : j + 1])
+            tokens = [[t] for t in on_device.tolist()]
             accepted = [0] * len(sampling_rows)
         else:
             tokens, accepted = self._verify(frame, hidden, ends, sampling_rows, k)

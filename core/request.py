@@ -70,6 +70,9 @@ class Request:
     """Tokens whose KV is written, or will be once the frames in flight land."""
     in_flight: int = 0
     """Frames scheduled for this request and not yet applied."""
+    num_placeholders: int = 0
+    """Tokens being sampled by frames in flight: scheduled, value still on the device."""
+    last_applied_step: int = -1
     block_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None

@@ -37,8 +37,13 @@ def target_probs(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, rows: list[RowSampling]) -> list[int]:
     """logits: [R, V] float32, one row per sampling request."""
+    return sample_on_device(logits, rows).tolist()
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+    """Like `sample`, leaving the [R] token tensor on the device."""
     if not rows:
-        return []
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
     out = logits.argmax(-1)
     for i, s in enumerate(rows):
         if s.temperature == 0.0:
@@ -47,4 +52,4 @@ def sample(logits: torch.Tensor, rows: list[RowSampling]) -> list[int]:
         gen = torch.Generator(device=logits.device).manual_seed(draw_seed(s.seed, s.position))
         noise = torch.empty_like(probs).exponential_(generator=gen)
         out[i] = (probs / noise).argmax()
-    return out.tolist()
+    return out

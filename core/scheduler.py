@@ -31,8 +31,9 @@ class SpecPolicy(msgspec.Struct, frozen=True, kw_only=True):
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 spec: SpecPolicy | None = None) -> None:
+                 spec: SpecPolicy | None = None, async_scheduling: bool = False) -> None:
         self.blocks = block_manager
+        self.async_scheduling = async_scheduling
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.spec = spec
@@ -52,7 +53,15 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(r.in_flight == 0 for r in self.running)
+        return bool(self.waiting) or any(r.in_flight == 0 or self._can_overlap(r) for r in self.running)
+
+    def _can_overlap(self, req: Request) -> bool:
+        """Async scheduling: a decoding request whose one frame in flight samples its next input
+        is scheduled again at once, with that input as a placeholder. A speculative request
+        waits: how many drafts its frame accepts decides where its next step starts."""
+        return (self.async_scheduling and self.spec is None and req.in_flight == 1
+                and req.num_placeholders == 1 and req.num_computed_tokens == req.num_tokens
+                and self.may_continue(req))
 
     def schedule(self) -> StepFrame | None:
         budget = self.max_num_batched_tokens
@@ -60,7 +69,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.in_flight:  # its next input is the output of a frame not yet applied
+            if req.in_flight and not self._can_overlap(req):  # its next input is not known yet
+                i += 1
+                continue
+            if req.in_flight:
+                if not self.blocks.ensure(req, self._slots_needed(req, 1)):
+                    i += 1  # no room to run ahead: it waits for its frame like in sync mode
+                    continue
+                rows.append(self._row(req, 0, [], 0, placeholder_inputs=1))
+                budget -= 1
                 i += 1
                 continue
             n_known, drafts, slots = self._plan(req, budget)
@@ -113,17 +130,21 @@ class Scheduler:
         lookahead = self.spec.lookahead_slots if self.spec is not None else 0
         return min(req.num_computed_tokens + n + lookahead, req.max_total_tokens + lookahead)
 
-    def _row(self, req: Request, n: int, drafts: list[int], slots: int) -> ScheduledRow:
+    def _row(self, req: Request, n: int, drafts: list[int], slots: int,
+             placeholder_inputs: int = 0) -> ScheduledRow:
         start = req.num_computed_tokens
-        req.num_computed_tokens += n + len(drafts) + slots
+        req.num_computed_tokens += n + placeholder_inputs + len(drafts) + slots
         req.in_flight += 1
         req.draft_token_ids, req.num_draft_slots = [], 0
         p = req.params
-        final = start + n == req.num_tokens
-        sampling = (RowSampling(p.temperature, p.top_k, p.top_p, req.seed, len(req.output_token_ids))
-                    if final else None)
+        final = start + n + placeholder_inputs == req.num_tokens + req.num_placeholders
+        sampling = None
+        if final:
+            sampling = RowSampling(p.temperature, p.top_k, p.top_p, req.seed,
+                                   len(req.output_token_ids) + req.num_placeholders)
+            req.num_placeholders += 1
         return ScheduledRow(req.req_id, req.generation, start, req.token_ids(start, start + n),
-                            list(req.block_ids), sampling, drafts, slots)
+                            list(req.block_ids), sampling, drafts, slots, placeholder_inputs)
 
     def _skip_drafts(self, rows: list[ScheduledRow]) -> bool:
         """K=0 when no row can verify drafts proposed after this step: rows that sample nothing
@@ -135,14 +156,14 @@ class Scheduler:
     @staticmethod
     def may_continue(req: Request) -> bool:
         """False when req will surely stop after its next emitted token (even with no draft accepted)."""
-        return (len(req.output_token_ids) + 1 < req.params.max_tokens
-                and req.num_tokens + 1 < req.max_total_tokens)
+        emitted = len(req.output_token_ids) + req.num_placeholders
+        return emitted < req.params.max_tokens and req.num_tokens + req.num_placeholders < req.max_total_tokens
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.blocks.free(req)
         req.num_computed_tokens = 0
-        req.in_flight = 0
+        req.in_flight = req.num_placeholders = 0
         req.generation = next(self.generations)
         req.status = Status.WAITING
         req.num_preemptions += 1
@@ -159,7 +180,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.blocks.free(req)
         req.generation = next(self.generations)
-        req.in_flight = 0
+        req.in_flight = req.num_placeholders = 0
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.draft_token_ids, req.num_draft_slots = [], 0

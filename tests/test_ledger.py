@@ -23,9 +23,12 @@ class LedgerMachine(RuleBasedStateMachine):
     """Random add / schedule / apply (any frame in flight) / abort / preempt interleavings,
     up to four frames in flight, checked against an independent record of every token."""
 
+    async_scheduling = False
+
     def __init__(self) -> None:
         super().__init__()
-        self.sched = Scheduler(BlockManager(NUM_BLOCKS, 4), max_num_seqs=4, max_num_batched_tokens=12)
+        self.sched = Scheduler(BlockManager(NUM_BLOCKS, 4), max_num_seqs=4, max_num_batched_tokens=12,
+                               async_scheduling=self.async_scheduling)
         self.ledger = Ledger(self.sched)
         self.in_flight: list[StepFrame] = []
         self.ids = itertools.count()
@@ -51,10 +54,20 @@ class LedgerMachine(RuleBasedStateMachine):
             self.ledger.submit(frame)
             self.in_flight.append(frame)
 
+    def ready(self) -> list[int]:
+        """Frames that may complete now: per request, frames complete in step order (one runner,
+        or a pipeline); across requests, in any order."""
+        ready = []
+        for i, frame in enumerate(self.in_flight):
+            ids = {r.req_id for r in frame.rows}
+            if not any(f.step_id < frame.step_id and ids & {r.req_id for r in f.rows} for f in self.in_flight):
+                ready.append(i)
+        return ready
+
     @precondition(lambda self: self.in_flight)
     @rule(data=st.data())
     def apply(self, data: st.DataObject) -> None:
-        frame = self.in_flight.pop(data.draw(st.integers(0, len(self.in_flight) - 1)))
+        frame = self.in_flight.pop(data.draw(st.sampled_from(self.ready())))
         rows = []
         for row in frame.rows:
             sampled = []
@@ -97,6 +110,13 @@ class LedgerMachine(RuleBasedStateMachine):
             assert req.in_flight == rows
 
     @invariant()
+    def placeholders_match_sampling_rows_in_flight(self) -> None:
+        for rid, req in self.sched.requests.items():
+            rows = [r for f in self.in_flight for r in f.rows if (r.req_id, r.generation) == (rid, req.generation)]
+            assert req.num_placeholders == sum(r.sampling is not None for r in rows)
+            assert req.in_flight <= (2 if self.async_scheduling else 1)
+
+    @invariant()
     def blocks_are_conserved(self) -> None:
         held = [b for r in self.sched.requests.values() for b in r.block_ids]
         assert len(held) == len(set(held))
@@ -106,8 +126,34 @@ class LedgerMachine(RuleBasedStateMachine):
                 assert req.block_ids == []
 
 
-LedgerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+class AsyncLedgerMachine(LedgerMachine):
+    """The same, with async scheduling: decode requests run ahead on placeholder inputs."""
+
+    async_scheduling = True
+
+    @invariant()
+    def async_rows_happen(self) -> None:
+        for frame in self.in_flight:
+            for row in frame.rows:
+                if row.num_placeholder_inputs:
+                    assert row.token_ids == [] and row.sampling is not None
+
+
+for machine in (LedgerMachine, AsyncLedgerMachine):
+    machine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 TestLedgerMachine = LedgerMachine.TestCase
+TestAsyncLedgerMachine = AsyncLedgerMachine.TestCase
+
+
+def test_async_machine_really_overlaps() -> None:
+    """The async machine must exercise placeholder rows, or it proves nothing new."""
+    sched = Scheduler(BlockManager(16, 4), 4, 16, async_scheduling=True)
+    sched.add(Request("a", [1, 2, 3], SamplingParams(max_tokens=5), 0, (), 100))
+    first = sched.schedule()
+    second = sched.schedule()
+    assert first is not None and second is not None
+    assert second.rows[0].num_placeholder_inputs == 1 and second.rows[0].start_pos == 3
+    assert sched.schedule() is None  # at most one frame ahead
 
 
 def test_result_for_a_frame_not_in_flight_is_rejected() -> None:
