@@ -34,6 +34,8 @@ def add_arguments(sub: Any) -> None:
                      help="speculator to measure (repeatable; default: ngram and draft_model)")
     acc.add_argument("--num-speculative-tokens", type=int, default=4)
     acc.add_argument("--draft-model", default=None)
+    acc.add_argument("--speculator-option", action="append", default=[], metavar="KEY=VALUE")
+    acc.add_argument("--label", default=None, help="name of the speculative runs in the table")
     acc.add_argument("--max-tokens", type=int, default=256)
     acc.add_argument("--limit", type=int, default=None, help="first N prompts only")
     acc.add_argument("--max-num-seqs", type=int, default=64)
@@ -72,10 +74,14 @@ async def bench_accept(args: argparse.Namespace) -> dict[str, Any]:
                         max_model_len=2048, in_process=True)
     runs: dict[str, Any] = {}
     for name in [None, *(args.speculator or ["ngram", "draft_model"])]:
+        from .cli import parse_options
+
         config = base if name is None else msgspec.structs.replace(
-            base, speculator=name, num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model)
-        print(f"bench accept: {name or 'no speculation'} on {len(conversations)} prompts", file=sys.stderr)
-        runs[name or "none"] = await run_one(config, conversations, params)
+            base, speculator=name, num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
+            speculator_options=parse_options(args.speculator_option))
+        label = "none" if name is None else f"{name}{args.label or ''}"
+        print(f"bench accept: {label} on {len(conversations)} prompts", file=sys.stderr)
+        runs[label] = await run_one(config, conversations, params)
     reference = runs["none"]["outputs"]
     for run in runs.values():
         run["identical_to_no_speculation"] = sum(a == b for a, b in zip(run["outputs"], reference, strict=True))
@@ -130,6 +136,7 @@ def write_accept(report: dict[str, Any], out: Path) -> None:
         per_pos = run["spec"]["acceptance_per_position"]
         if per_pos:
             ax.plot(range(1, len(per_pos) + 1), per_pos, marker="o", label=name)
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance (accepted / drafted)")
     ax.set_ylim(0, 1.05)

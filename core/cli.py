@@ -31,6 +31,8 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="K, drafts per step")
     p.add_argument("--draft-model", default=None, help="checkpoint for draft_model (default: the target)")
     p.add_argument("--no-skip-drafts", action="store_true", help="never run K=0 steps (for comparison)")
+    p.add_argument("--speculator-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="speculator-specific option, e.g. num_layers=8 for draft_model (repeatable)")
 
 
 def sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -70,7 +72,17 @@ def config_from(args: argparse.Namespace) -> Any:
                         max_model_len=args.max_model_len, in_process=args.in_process,
                         log_level=args.log_level, speculator=args.speculator,
                         num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
-                        skip_drafts=not args.no_skip_drafts)
+                        skip_drafts=not args.no_skip_drafts,
+                        speculator_options=parse_options(args.speculator_option))
+
+
+def parse_options(items: list[str]) -> dict[str, str]:
+    from .errors import InvalidInputError
+
+    bad = [item for item in items if "=" not in item]
+    if bad:
+        raise InvalidInputError(f"--speculator-option: expected KEY=VALUE, got {bad[0]!r}")
+    return dict(item.split("=", 1) for item in items)
 
 
 def params_from(args: argparse.Namespace) -> Any:

@@ -248,7 +248,9 @@ class EngineCore:
         One runner thread executes frames in order. With async scheduling the next frame is
         scheduled and queued while the current one runs; results are applied in step order."""
         self.wakeup = anyio.Event()
-        depth = 2 if self.config.async_scheduling else 1
+        # Run ahead only when requests can: a speculative request waits for its frame, and a
+        # second frame would then hold only the rest of the batch, halving every step.
+        depth = 2 if self.scheduler.async_scheduling and self.scheduler.spec is None else 1
         in_flight: deque[Future[StepResult]] = deque()
         runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speckernel-runner")
         try:

@@ -1,5 +1,9 @@
 """An independent small model with the target's tokenizer drafts K tokens autoregressively.
 
+Option `num_layers=N` keeps only the draft checkpoint's first N layers (with its final norm and
+head): a cheap self-speculative drafter from the target's own weights when no smaller
+checkpoint with the same tokenizer exists.
+
 It keeps its own paged KV cache, indexed by the target's block tables (so the kernel's block
 accounting covers it), and needs one lookahead slot per draft: after a step it writes draft
 KV up to K - 1 positions past the confirmed tokens. Fixed width: the host needs only the count.
@@ -7,6 +11,7 @@ KV up to K - 1 positions past the confirmed tokens. Fixed width: the host needs 
 
 from __future__ import annotations
 
+import msgspec
 import torch
 
 from speckernel.errors import InvalidInputError
@@ -30,17 +35,28 @@ class DraftModelSpeculator:
         self.check(ctx)
         path = resolve(ctx.options.draft_model or str(ctx.target_path))
         self.model = load_model(path, ctx.dtype, ctx.device, ctx.max_model_len + self.capabilities.max_k + 1)
+        num_layers = int(ctx.options.extra.get("num_layers", 0))
+        if num_layers:
+            del self.model.layers[num_layers:]
         self.block_size = ctx.block_size
         self.device = ctx.device
-        self.kv = new_kv_cache(self.model.cfg, ctx.num_kv_blocks, ctx.block_size, ctx.dtype, ctx.device)
+        cfg = msgspec.structs.replace(self.model.cfg, num_layers=len(self.model.layers))
+        self.kv = new_kv_cache(cfg, ctx.num_kv_blocks, ctx.block_size, ctx.dtype, ctx.device)
         self.history = TokenHistory()
         self.computed: dict[str, int] = {}
         """Positions whose draft KV holds confirmed tokens."""
 
     def check(self, ctx: SpeculatorContext) -> None:
+        unknown = set(ctx.options.extra) - {"num_layers"}
+        if unknown:
+            raise InvalidInputError(f"draft_model options: unknown {sorted(unknown)}; known: ['num_layers']")
+        draft = read_config(resolve(ctx.options.draft_model or str(ctx.target_path)))
+        num_layers = ctx.options.extra.get("num_layers", "0")
+        if not num_layers.isdigit() or not 0 <= int(num_layers) <= draft.num_layers:
+            raise InvalidInputError(f"draft_model option num_layers: expected an integer in [1, {draft.num_layers}], "
+                                    f"got {num_layers!r}")
         if ctx.options.draft_model is None:
-            return  # the target drafts for itself: trivially compatible
-        draft = read_config(resolve(ctx.options.draft_model))
+            return  # the target drafts for itself: same tokenizer by construction
         if draft.vocab_size != ctx.target.vocab_size:
             raise InvalidInputError(
                 f"draft model vocabulary ({draft.vocab_size}) differs from the target's "

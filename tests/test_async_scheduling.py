@@ -19,7 +19,8 @@ async def test_async_scheduling_equals_sync_stepping(tokenizer) -> None:  # type
     seeded = SamplingParams(max_tokens=16, temperature=0.9, top_k=50, seed=7, ignore_eos=True)
     prompts = [tokenizer.encode(p) for p in PROMPTS[:8]]
     sync_core = EngineCore(config)
-    expected = run_to_completion(sync_core, prompts[:4], greedy) + run_to_completion(sync_core, prompts[4:], seeded, "s")
+    expected = run_to_completion(sync_core, prompts[:4], greedy)
+    expected += run_to_completion(sync_core, prompts[4:], seeded, "s")
     del sync_core
 
     async with AsyncEngine(config) as engine:

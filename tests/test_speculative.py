@@ -127,3 +127,20 @@ def test_sampled_distribution_with_speculation_equals_the_targets(name: str, tok
     chi2 = float(((observed[keep] - exp[keep]) ** 2 / exp[keep]).sum())
     dof = int(keep.sum()) - 1
     assert chi2 < dof + 4 * np.sqrt(2 * dof) + 10, (chi2, dof)
+
+
+def test_layer_truncated_draft_model_is_rejected_often_and_stays_lossless(prompts, plain_greedy) -> None:  # type: ignore[no-untyped-def]
+    """A weak drafter (the target's first 8 layers) makes verification reject most drafts from
+    the device-side store: output must not change."""
+    core = core_for("draft_model", num_speculative_tokens=3, speculator_options={"num_layers": "8"})
+    assert run_to_completion(core, prompts, GREEDY) == plain_greedy
+    spec = core.stats()["spec"]
+    assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"]
+    assert spec["num_host_draft_copies"] == 0
+
+
+def test_unknown_draft_model_option_is_refused() -> None:
+    with pytest.raises(InvalidInputError, match="num_layers"):
+        core_for("draft_model", speculator_options={"num_layer": "8"})
+    with pytest.raises(InvalidInputError, match=r"integer in \[1, 30\]"):
+        core_for("draft_model", speculator_options={"num_layers": "31"})
