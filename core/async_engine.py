@@ -48,10 +48,7 @@ from .tokenizer import Tokenizer
 def error_from_wire(text: str) -> errors.SpeckernelError:
     """'PromptTooLongError: ...' from the core → the same typed exception here."""
     name, _, message = text.partition(": ")
-    cls = getattr(errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, errors.SpeckernelError) and cls is not errors.UnknownPluginError:
-        return cls(message)
-    return errors.SpeckernelError(text)
+    return errors.rebuild(name, message) or errors.SpeckernelError(text)
 
 
 @dataclass

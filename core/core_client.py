@@ -31,12 +31,8 @@ POLL_S = 0.1
 
 
 def raise_core_failure(msg: CoreFailed) -> None:
-    cls = getattr(errors_mod, msg.error_type, None)
-    if isinstance(cls, type) and issubclass(cls, errors_mod.SpeckernelError):
-        if cls is errors_mod.UnknownPluginError:
-            raise errors_mod.InvalidInputError(msg.message)
-        raise cls(msg.message)
-    raise errors_mod.EngineDeadError(f"engine core failed to start: {msg.error_type}: {msg.message}")
+    raise errors_mod.rebuild(msg.error_type, msg.message) or errors_mod.EngineDeadError(
+        f"engine core failed to start: {msg.error_type}: {msg.message}")
 
 
 class CoreClient(ABC):

@@ -51,3 +51,13 @@ class EngineDeadError(SpeckernelError):
 
 class RequestAbortedError(SpeckernelError):
     pass
+
+
+def rebuild(type_name: str, message: str) -> SpeckernelError | None:
+    """The typed error a peer process reported by class name, or None for a foreign type."""
+    cls = globals().get(type_name)
+    if not (isinstance(cls, type) and issubclass(cls, SpeckernelError)):
+        return None
+    if cls is UnknownPluginError:  # its message is already complete; keep it a bad-input error
+        return InvalidInputError(message)
+    return cls(message)

@@ -156,13 +156,18 @@ def test_async_machine_really_overlaps() -> None:
     assert sched.schedule() is None  # at most one frame ahead
 
 
-def test_result_for_a_frame_not_in_flight_is_rejected() -> None:
+def one_frame_in_flight() -> tuple[Scheduler, Ledger, StepFrame]:
     sched = Scheduler(BlockManager(8, 4), 4, 16)
     ledger = Ledger(sched)
     sched.add(Request("a", [1, 2], SamplingParams(max_tokens=3), 0, (), 100))
     frame = sched.schedule()
     assert frame is not None
     ledger.submit(frame)
+    return sched, ledger, frame
+
+
+def test_result_for_a_frame_not_in_flight_is_rejected() -> None:
+    sched, ledger, frame = one_frame_in_flight()
     result = StepResult(frame.step_id, [RowResult("a", frame.rows[0].generation, [5])])
     ledger.apply(result)
     with pytest.raises(LedgerError):
@@ -175,12 +180,7 @@ def test_result_for_a_frame_not_in_flight_is_rejected() -> None:
 
 
 def test_stale_rows_are_discarded_after_abort_and_id_reuse() -> None:
-    sched = Scheduler(BlockManager(8, 4), 4, 16)
-    ledger = Ledger(sched)
-    sched.add(Request("a", [1, 2], SamplingParams(max_tokens=3), 0, (), 100))
-    frame = sched.schedule()
-    assert frame is not None
-    ledger.submit(frame)
+    sched, ledger, frame = one_frame_in_flight()
     sched.finish(sched.requests["a"], "abort")
     reused = Request("a", [3, 4], SamplingParams(max_tokens=3), 0, (), 100)
     sched.add(reused)  # same id, new request: the old frame's row must not land on it
