@@ -49,10 +49,6 @@ class EngineDeadError(SpeckernelError):
     """The engine core process died or shut down; pending and new requests fail with this."""
 
 
-class RequestAbortedError(SpeckernelError):
-    pass
-
-
 def rebuild(type_name: str, message: str) -> SpeckernelError | None:
     """The typed error a peer process reported by class name, or None for a foreign type."""
     cls = globals().get(type_name)

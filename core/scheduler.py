@@ -52,9 +52,6 @@ class Scheduler:
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting) or any(r.in_flight == 0 or self._can_overlap(r) for r in self.running)
-
     def _can_overlap(self, req: Request) -> bool:
         """Async scheduling: a decoding request whose one frame in flight samples its next input
         is scheduled again at once, with that input as a placeholder. A speculative request
