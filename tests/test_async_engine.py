@@ -178,3 +178,33 @@ async def test_in_process_mode_seeds_and_stop_strings() -> None:
             assert stop not in out.text
         assert out.finished and out.finish_reason == "stop"
         assert out.text == plain.text[: plain.text.index(stop)]
+
+
+def test_engine_core_exits_when_its_frontend_is_killed() -> None:
+    """No orphan: a frontend killed with SIGKILL (no clean-up runs) still takes its core with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import anyio, os, sys\n"
+        "from speckernel import AsyncEngine, EngineConfig\n"
+        "async def main():\n"
+        "    async with AsyncEngine(EngineConfig(platform='cpu', max_model_len=128)) as engine:\n"
+        "        print(engine._client.proc.pid, flush=True)\n"
+        "        os.kill(os.getpid(), 9)\n"
+        "anyio.run(main)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    core_pid = int(proc.stdout.strip())
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(core_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(core_pid, signal.SIGKILL)
+    raise AssertionError("the engine core outlived its frontend")
