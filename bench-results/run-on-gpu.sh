@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# One GPU lease: check the CUDA path, run the Triton kernels for real, measure acceptance.
-# Expects the default model GGUF at $MODEL; writes at most 8 files under $1 (default ./gpu-out).
+# One GPU run: check the CUDA path, run the Triton kernels for real, measure acceptance.
+# Optional: $MODEL (the default GGUF) and $HUMANEVAL (HumanEval.jsonl.gz) for machines without PyPI; writes at most 8 files under $1 (default ./gpu-out).
 set -uo pipefail
 out=${1:-gpu-out}
 mkdir -p "$out"
 export SPECKERNEL_CACHE=${SPECKERNEL_CACHE:-$HOME/skcache} PYTHONUNBUFFERED=1
 mkdir -p "$SPECKERNEL_CACHE/models"
 [ -n "${MODEL:-}" ] && cp "$MODEL" "$SPECKERNEL_CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-[ -f .whl/HumanEval.jsonl.gz ] && cp .whl/HumanEval.jsonl.gz "$SPECKERNEL_CACHE/models/"
+[ -n "${HUMANEVAL:-}" ] && cp "$HUMANEVAL" "$SPECKERNEL_CACHE/models/HumanEval.jsonl.gz"
 {
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   for spec in none ngram draft_model; do
