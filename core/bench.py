@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import msgspec
+from tqdm import tqdm
 
 from .async_engine import AsyncEngine
 from .config import EngineConfig
@@ -46,18 +47,21 @@ def add_arguments(sub: Any) -> None:
 
 
 async def run_one(config: EngineConfig, conversations: list[list[dict[str, str]]],
-                  params: SamplingParams) -> dict[str, Any]:
+                  params: SamplingParams, label: str) -> dict[str, Any]:
     async with AsyncEngine(config) as engine:
         outputs: list[list[int]] = [[] for _ in conversations]
+        bar = tqdm(total=len(conversations), desc=label, unit="req", file=sys.stderr, disable=None)
 
         async def one(i: int) -> None:
             async for out in engine.chat(conversations[i], params):
                 outputs[i] = out.token_ids
+            bar.update(1)
 
         started = time.monotonic()
-        async with anyio.create_task_group() as tg:
-            for i in range(len(conversations)):
-                tg.start_soon(one, i)
+        with bar:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(conversations)):
+                    tg.start_soon(one, i)
         elapsed = time.monotonic() - started
         stats = await engine.stats()
         info = engine.info
@@ -81,7 +85,7 @@ async def bench_accept(args: argparse.Namespace) -> dict[str, Any]:
             speculator_options=parse_options(args.speculator_option))
         label = "none" if name is None else f"{name}{args.label or ''}"
         print(f"bench accept: {label} on {len(conversations)} prompts", file=sys.stderr)
-        runs[label] = await run_one(config, conversations, params)
+        runs[label] = await run_one(config, conversations, params, label)
     reference = runs["none"]["outputs"]
     for run in runs.values():
         run["identical_to_no_speculation"] = sum(a == b for a, b in zip(run["outputs"], reference, strict=True))

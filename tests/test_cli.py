@@ -96,3 +96,20 @@ def test_generate_json_reports_speculation_counters() -> None:
     assert stats["engine"]["num_host_draft_copies"] == 0
     proc = run("generate", "--prompt", "hi", "--speculator", "no-such-drafter", timeout=120)
     assert proc.returncode == 2 and "available: draft_model, ngram" in proc.stderr
+
+
+@pytest.mark.slow
+def test_bench_accept_writes_json_table_and_plot(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    proc = run("bench", "accept", "--limit", "2", "--max-tokens", "8", "--speculator", "ngram",
+               "--platform", "cpu", "--out", str(tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "accept.json").read_text())
+    assert report["dataset"].startswith("HumanEval (2 prompts")
+    ngram, none = report["runs"]["ngram"], report["runs"]["none"]
+    assert ngram["identical_to_no_speculation"] == 2 and none["spec"]["num_draft_tokens"] == 0
+    assert ngram["spec"]["num_host_draft_copies"] > 0  # variable width copies its drafts
+    table = (tmp_path / "accept.md").read_text()
+    assert "| ngram |" in table and report["command"] in table
+    assert (tmp_path / "accept.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
