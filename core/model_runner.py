@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from .frame import RowResult, ScheduledRow, StepFrame, StepResult
@@ -59,7 +60,7 @@ class ModelRunner:
         if not any(r.num_draft_slots or r.num_placeholder_inputs for r in frame.rows):
             ids = [t for r in frame.rows for t in r.token_ids + r.draft_token_ids]
             return torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        return torch.cat([self._row_input(r).to(self.device) for r in frame.rows])
+        return torch.cat([self._row_input(r) for r in frame.rows])
 
     def forward(self, frame: StepFrame) -> torch.Tensor:
         meta = build_metadata([(r.start_pos, r.num_tokens, r.block_ids) for r in frame.rows],
@@ -139,21 +140,14 @@ class ModelRunner:
         for j, (_, r) in enumerate(sampling_rows):
             probs = drafts.probs[j] if drafts.probs is not None else None
             self.drafts[r.req_id] = StoredDrafts(r.generation, drafts.token_ids[j], probs)
-        copies = 0
-        if frame.host_drafts:
-            host = drafts.token_ids.tolist()
-            copies = 1
+        host = drafts.token_ids.tolist() if frame.host_drafts else None
         for j, (i, _) in enumerate(sampling_rows):
-            row = rows[i]
-            if frame.host_drafts:
-                ids = host[j]
-                cut = next((n for n, t in enumerate(ids) if t < 0), len(ids))
-                rows[i] = RowResult(row.req_id, row.generation, row.sampled, row.num_drafts, row.num_accepted,
-                                    next_draft_ids=ids[:cut])
+            if host is None:
+                rows[i] = msgspec.structs.replace(rows[i], num_next_drafts=self.k)
             else:
-                rows[i] = RowResult(row.req_id, row.generation, row.sampled, row.num_drafts, row.num_accepted,
-                                    num_next_drafts=self.k)
-        return StepResult(frame.step_id, rows, num_host_draft_copies=copies)
+                cut = next((n for n, t in enumerate(host[j]) if t < 0), len(host[j]))
+                rows[i] = msgspec.structs.replace(rows[i], next_draft_ids=host[j][:cut])
+        return StepResult(frame.step_id, rows, num_host_draft_copies=int(host is not None))
 
     @torch.inference_mode()
     def prompt_logits(self, frame: StepFrame) -> torch.Tensor:
