@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One GPU run: check the CUDA path, run the Triton kernels for real, measure acceptance.
-# Optional: $MODEL (the default GGUF) and $HUMANEVAL (HumanEval.jsonl.gz) for machines without PyPI; writes at most 8 files under $1 (default ./gpu-out).
+# One GPU run: check the CUDA path, run the GPU-side tests, measure acceptance on HumanEval.
+# Optional: $MODEL (the default GGUF) and $HUMANEVAL (HumanEval.jsonl.gz) for machines without
+# PyPI; $DTYPES (default "float32 bfloat16"). Writes at most 8 files under $1 (default ./gpu-out).
 set -uo pipefail
 out=${1:-gpu-out}
 mkdir -p "$out"
@@ -16,10 +17,11 @@ mkdir -p "$SPECKERNEL_CACHE/models"
     python3 -m speckernel.cli generate --raw --prompt "The three primary colors are" --max-tokens 48 \
       --temperature 0 --json --platform cuda "${extra[@]}"
   done
-  echo "== Triton kernels and sampler on the GPU"
-  python3 -m pytest -q tests/test_verify.py tests/test_sampler.py -p no:cacheprovider 2>&1 | tail -3
+  echo "== GPU-side tests (Triton kernels for real, attention seam, graphs, host gate)"
+  python3 -m pytest -q tests/test_verify.py tests/test_sampler.py tests/test_platform_contract.py \
+    -p no:cacheprovider 2>&1 | tail -5
 } > "$out/cuda_checks.txt" 2>&1
-for dtype in bfloat16 float32; do
+for dtype in ${DTYPES:-float32 bfloat16}; do
   python3 -m speckernel.cli bench accept --platform cuda --dtype "$dtype" --max-tokens 256 \
     --out "$out/accept_$dtype" 2>&1 | tail -8
 done

@@ -6,6 +6,10 @@
 
 Each request gets its own stream of deltas. Leaving the iteration early or cancelling the
 caller aborts the request in the core, which frees its KV blocks at once.
+
+The core knows a request only by an integer key, fresh for every generate() call; the caller's
+request id stays here (and in logs). Deltas and aborts travel by key, so a caller that reuses
+the id of a request it just left can never receive that earlier request's late deltas.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ def error_from_wire(text: str) -> errors.SpeckernelError:
 
 @dataclass
 class _Pending:
+    request_id: str
     send: MemoryObjectSendStream[RequestDelta | BaseException]
 
 
@@ -68,7 +73,11 @@ class AsyncEngine:
         self.info: CoreReady
         self._client: CoreClient | None = None
         self._stack = AsyncExitStack()
-        self._requests: dict[str, _Pending] = {}
+        self._keys = itertools.count()
+        self._requests: dict[int, _Pending] = {}
+        """Live requests by key; a delta whose key is not here belongs to a request that is over."""
+        self._live_ids: dict[str, int] = {}
+        """The caller's request id -> key, while that request is live (ids are unique among them)."""
         self._calls: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
         self._call_ids = itertools.count()
         self._dead: errors.EngineDeadError | None = None
@@ -122,7 +131,7 @@ class AsyncEngine:
             match msg:
                 case CoreOutputs(deltas=deltas):
                     for delta in deltas:
-                        pending = self._requests.get(delta.req_id)
+                        pending = self._requests.get(delta.key)
                         if pending is not None:
                             pending.send.send_nowait(delta)
                 case UtilityResult(call_id=cid):
@@ -183,47 +192,73 @@ class AsyncEngine:
                 f"prompt has {len(prompt_ids)} tokens; the context holds {self.info.max_model_len} "
                 "(prompt plus at least one generated token)")
         req_id = request_id or uuid.uuid4().hex
-        if req_id in self._requests:
+        if req_id in self._live_ids:
             raise errors.InvalidInputError(f"request id {req_id!r} is already running")
-        send, recv = anyio.create_memory_object_stream[RequestDelta | BaseException](math.inf)
-        self._requests[req_id] = _Pending(send)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         timing = Timing(arrival=time.monotonic())
-        done = False
+        key = next(self._keys)
+        send, recv = anyio.create_memory_object_stream[RequestDelta | BaseException](math.inf)
+        self._requests[key] = _Pending(req_id, send)
+        self._live_ids[req_id] = key
         try:
-            client.send(AddRequest(req_id, np.asarray(prompt_ids, dtype=np.int64), params))
+            client.send(AddRequest(key, np.asarray(prompt_ids, dtype=np.int64), params, req_id))
             async for item in recv:
                 if isinstance(item, BaseException):
                     raise item
                 if item.error is not None:
-                    done = True
+                    self._forget(key)  # the core is done with it: nothing to abort
                     raise error_from_wire(item.error)
                 now = time.monotonic()
                 if timing.first_token is None and item.new_token_ids:
                     timing.first_token = now
-                reason = item.finish_reason
-                delta_text, stopped = detok.add(item.new_token_ids, finished=reason is not None)
-                if stopped and reason is None:
-                    reason = "stop"
-                    client.send(AbortRequests([req_id]))
-                done = reason is not None
-                if done:
+                step = detok.add(item.new_token_ids, item.finish_reason)
+                if item.finish_reason is not None:
+                    self._forget(key)
+                elif step.stopped:
+                    self._abort_key(key)  # before yielding: the caller may not ask for more soon
+                if step.finish_reason is not None:
                     timing.finished = now
                 yield RequestOutput(
-                    request_id=req_id, delta_text=delta_text, delta_token_ids=item.new_token_ids,
-                    text=detok.text, token_ids=list(detok.token_ids), prompt_token_ids=prompt_ids,
-                    finished=done, finish_reason=reason, timing=timing, stats=item.stats,
+                    request_id=req_id, delta_text=step.text, delta_token_ids=step.token_ids,
+                    text=detok.text, token_ids=detok.token_ids, prompt_token_ids=prompt_ids,
+                    finished=step.finish_reason is not None, finish_reason=step.finish_reason,
+                    timing=timing, stats=item.stats,
                 )
-                if done:
+                if step.finish_reason is not None:
                     return
         finally:
-            self._requests.pop(req_id, None)
+            # Still live here means the caller left early: the core stops it and frees its blocks.
+            self._abort_key(key)
             send.close()
-            if not done and self._dead is None and self._client is not None:
-                self._client.send(AbortRequests([req_id]))
+            recv.close()
+
+    def _forget(self, key: int) -> _Pending | None:
+        """Drops a request from the routing tables; later deltas for its key are ignored."""
+        pending = self._requests.pop(key, None)
+        if pending is not None and self._live_ids.get(pending.request_id) == key:
+            del self._live_ids[pending.request_id]
+        return pending
+
+    def _abort_key(self, key: int) -> _Pending | None:
+        """Forgets a live request and tells the core to stop it (if the core is still there)."""
+        pending = self._forget(key)
+        if pending is not None and self._dead is None and self._client is not None:
+            self._client.send(AbortRequests([key]))
+        return pending
 
     async def abort(self, request_id: str) -> None:
-        self._live_client().send(AbortRequests([request_id]))
+        """Stops a live request: its stream ends with a final output, finish_reason "abort".
+
+        Ids of requests that are not live (unknown, finished, or already aborted) are ignored.
+        """
+        self._live_client()
+        key = self._live_ids.get(request_id)
+        if key is None:
+            return
+        pending = self._abort_key(key)
+        assert pending is not None
+        # Deltas the core sent before it saw the abort are already queued ahead of this one.
+        pending.send.send_nowait(RequestDelta(key, [], "abort"))
 
     async def stats(self) -> dict[str, Any]:
         """Engine-wide counters from the core (steps, tokens, KV blocks, speculative counters)."""

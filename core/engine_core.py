@@ -7,20 +7,23 @@ deltas go out. The same object serves in-process embedding and its own process.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import anyio
 import numpy as np
+import torch
 
 from . import log, plugins
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .errors import InvalidInputError, PromptTooLongError
-from .frame import RowResult, StepFrame, StepResult
+from .frame import StepFrame, StepResult
 from .ledger import Ledger
 from .messages import (
     AbortRequests,
@@ -40,13 +43,12 @@ from .models.config import ModelConfig
 from .models.loader import load_model, read_config
 from .models.paged import kv_bytes_per_block
 from .platform import parse_dtype
+from .plugin import SpeculatorCapabilities, SpeculatorContext
 from .request import Request
 from .scheduler import Scheduler, SpecPolicy
-from .speculator import SpeculatorCapabilities, SpeculatorContext, SpeculatorOptions
+from .speculator_options import parse_options
 
 DEFAULT_MAX_MODEL_LEN = 4096
-CPU_KV_BUDGET = 1 << 30
-DEVICE_KV_FRACTION = 0.5
 
 
 class EngineCore:
@@ -59,12 +61,14 @@ class EngineCore:
         model_cfg = read_config(path)
         max_len = min(config.max_model_len or min(model_cfg.max_position, DEFAULT_MAX_MODEL_LEN),
                       model_cfg.max_position)
-        spec_cls = self._speculator_class(model_cfg)
-        per_block = kv_bytes_per_block(model_cfg, config.block_size, self.dtype)
-        if spec_cls is not None and spec_cls.capabilities.lookahead_slots_per_draft:
-            per_block *= 2  # a drafter with its own KV of at most the target's size
-        num_blocks = config.num_kv_blocks or self._blocks_from_budget(per_block)
+        # The speculator is checked before any weight is read: bad names, options and
+        # capabilities this target or platform cannot serve fail here, before any request.
+        spec_cls, ctx = self._check_speculator(model_cfg, path, max_len)
         k = config.num_speculative_tokens if spec_cls is not None else 0
+        draft_bytes = spec_cls.draft_kv_bytes_per_token(ctx) if spec_cls is not None else 0
+        per_block = kv_bytes_per_block(model_cfg, config.block_size, self.dtype) + draft_bytes * config.block_size
+        num_blocks = config.num_kv_blocks or max(1, (config.kv_cache_bytes or self.platform.kv_budget_bytes())
+                                                 // per_block)
         lookahead = spec_cls.capabilities.lookahead_slots(k) if spec_cls is not None else 0
         # One request must always fit alone, or preemption could never make progress.
         self.max_model_len = min(max_len, num_blocks * config.block_size - lookahead)
@@ -73,16 +77,19 @@ class EngineCore:
         self.model_cfg = model_cfg
         model = load_model(path, self.dtype, self.platform.device, self.max_model_len + lookahead)
         self.speculator = None
-        if spec_cls is not None:
-            ctx = SpeculatorContext(
-                target=model_cfg, target_path=path, device=self.platform.device, dtype=self.dtype,
-                num_kv_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
-                options=SpeculatorOptions(num_speculative_tokens=k, draft_model=config.draft_model,
-                                          extra=dict(config.speculator_options)))
+        if spec_cls is not None and ctx is not None:
+            draft_kv = None
+            if draft_bytes:
+                draft_kv = torch.zeros(num_blocks * config.block_size * draft_bytes, dtype=torch.uint8,
+                                       device=self.platform.device)
+            ctx = dataclasses.replace(
+                ctx, max_model_len=self.max_model_len, num_kv_blocks=num_blocks, draft_kv=draft_kv,
+                attention=self.platform.attention_backend(config.block_size, config.max_num_batched_tokens))
             self.speculator = spec_cls(ctx)
         self.runner = ModelRunner(model, self.platform.device, num_blocks, config.block_size,
-                                  speculator=self.speculator, num_speculative_tokens=k,
-                                  use_triton=self.platform.capabilities.device_type == "cuda")
+                                  self.platform.attention_backend(config.block_size, config.max_num_batched_tokens),
+                                  num_slots=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  speculator=self.speculator, max_k=k, use_triton=self.platform.capabilities.triton)
         policy = None if spec_cls is None else SpecPolicy(
             num_speculative_tokens=k, lookahead_slots=lookahead,
             variable_width=spec_cls.capabilities.draft_width == "variable", skip_drafts=config.skip_drafts)
@@ -100,12 +107,11 @@ class EngineCore:
         self.log.info("engine_core_ready", platform=self.platform.name, dtype=str(self.dtype),
                       num_kv_blocks=num_blocks, max_model_len=self.max_model_len, model=str(path))
 
-    def _speculator_class(self, model_cfg: ModelConfig) -> Any:
-        """Loads and validates the speculator before any weight is read: bad names and
-        capabilities this target or platform cannot serve fail here, before any request."""
+    def _check_speculator(self, model_cfg: ModelConfig, path: Path,
+                          max_len: int) -> tuple[Any, SpeculatorContext | None]:
         name = self.config.speculator
         if name is None:
-            return None
+            return None, None
         cls = plugins.load("speculator", name)
         caps: SpeculatorCapabilities = cls.capabilities
         k = self.config.num_speculative_tokens
@@ -115,22 +121,15 @@ class EngineCore:
         if bad_layers:
             raise InvalidInputError(f"speculator {name!r} needs hidden states of layers {bad_layers}; "
                                     f"the target has {model_cfg.num_layers}")
-        unsupported = [what for what, needed in (
-            ("target hidden states", bool(caps.target_hidden_layers)),
-            ("target KV rows", caps.uses_target_kv),
-            ("remote placement", caps.placement != "local_last_stage")) if needed]
-        if unsupported:
-            raise InvalidInputError(
-                f"speculator {name!r} needs {', '.join(unsupported)}, which this runner cannot serve yet")
-        return cls
-
-    def _blocks_from_budget(self, per_block: int) -> int:
-        budget = self.config.kv_cache_bytes
-        if budget is None:
-            free, _ = self.platform.memory_info()
-            cpu = self.platform.capabilities.device_type == "cpu"
-            budget = min(CPU_KV_BUDGET, free // 4) if cpu else int(free * DEVICE_KV_FRACTION)
-        return max(1, budget // per_block)
+        if caps.placement != "local_last_stage":
+            raise InvalidInputError(f"speculator {name!r} needs remote placement, which this runner cannot serve yet")
+        ctx = SpeculatorContext(
+            target=model_cfg, target_path=path, device=self.platform.device, dtype=self.dtype,
+            block_size=self.config.block_size, max_model_len=max_len, num_speculative_tokens=k,
+            options=parse_options(name, cls.Options, dict(self.config.speculator_options)),
+            draft_model=self.config.draft_model)
+        cls.check(ctx)
+        return cls, ctx
 
     def ready_message(self) -> CoreReady:
         return CoreReady(platform=self.platform.name, dtype=str(self.dtype).removeprefix("torch."),
@@ -154,19 +153,19 @@ class EngineCore:
             if any(not 0 <= t < self.model_cfg.vocab_size for t in prompt):
                 raise InvalidInputError(f"prompt token ids must lie in [0, {self.model_cfg.vocab_size})")
             params = msg.params.validate(self.model_cfg.vocab_size)
-            if msg.req_id in self.scheduler.requests:
-                raise InvalidInputError(f"request id {msg.req_id!r} is already running")
+            if msg.key in self.scheduler.requests:
+                raise InvalidInputError(f"request key {msg.key} is already running")
         except InvalidInputError as e:
-            return RequestDelta(msg.req_id, [], "error", f"{type(e).__name__}: {e}")
+            return RequestDelta(msg.key, [], "error", f"{type(e).__name__}: {e}")
         seed = params.seed if params.seed is not None else int(self.seeds.integers(2**62))
-        self.scheduler.add(Request(msg.req_id, prompt, params, seed, self.model_cfg.eos_token_ids,
+        self.scheduler.add(Request(msg.key, prompt, params, seed, self.model_cfg.eos_token_ids,
                                    self.max_model_len))
         self.num_prompt_tokens += len(prompt)
         return None
 
-    def abort(self, req_ids: list[str]) -> None:
-        for req_id in req_ids:
-            req = self.scheduler.requests.get(req_id)
+    def abort(self, keys: list[int]) -> None:
+        for key in keys:
+            req = self.scheduler.requests.get(key)
             if req is not None:
                 self.scheduler.finish(req, "abort")
 
@@ -186,7 +185,7 @@ class EngineCore:
             "uptime_s": time.monotonic() - self.started,
             "spec": self.ledger.spec.summary() | {
                 "speculator": self.config.speculator,
-                "num_speculative_tokens": self.runner.k,
+                "num_speculative_tokens": self.scheduler.spec.num_speculative_tokens if self.scheduler.spec else 0,
                 "num_k0_steps": self.ledger.num_k0_steps,
                 "num_host_draft_copies": self.ledger.num_host_draft_copies,
             },
@@ -195,12 +194,7 @@ class EngineCore:
     # --- stepping ---------------------------------------------------------------------------
 
     def execute(self, frame: StepFrame) -> StepResult:
-        try:
-            return self.runner.execute(frame)
-        except Exception as e:  # a failed step fails its rows; the engine keeps serving
-            self.log.exception("step_failed", step_id=frame.step_id)
-            rows = [RowResult(r.req_id, r.generation, []) for r in frame.rows]
-            return StepResult(frame.step_id, rows, error=f"{type(e).__name__}: {e}")
+        return self.runner.execute(frame)  # a failing row fails its own request only
 
     def step(self) -> list[RequestDelta]:
         """One synchronous step (tests and the sync path of the loop share it)."""
@@ -231,7 +225,7 @@ class EngineCore:
                     delta = self.add_request(msg)
                     if delta is not None:
                         errors.append(delta)
-                case AbortRequests(req_ids=ids):
+                case AbortRequests(keys=ids):
                     self.abort(ids)
                 case UtilityCall(call_id=cid, method=method):
                     if method == "stats":

@@ -1,7 +1,8 @@
 """The step contract between kernel and runner: StepFrame out, StepResult back.
 
-Both carry the step id and each row's (req_id, generation): that pair is how the ledger knows
-which request state a piece of model output belongs to.
+Both carry the step id and each row's (key, generation): that pair is how the ledger knows
+which request state a piece of model output belongs to. A row also names its request's slot,
+the index into the runner's per-request device buffers (the token buffer above all).
 """
 
 from __future__ import annotations
@@ -19,21 +20,28 @@ class RowSampling(msgspec.Struct, frozen=True, array_like=True):
 
 
 class ScheduledRow(msgspec.Struct, frozen=True, array_like=True):
-    req_id: str
+    key: int
     generation: int
+    slot: int
+    """Row of the device token buffer this request owns while it runs."""
     start_pos: int
     token_ids: list[int]
-    """Input tokens for positions [start_pos, start_pos + len(token_ids))."""
+    """Host-known input tokens for positions [start_pos, start_pos + len(token_ids)); the runner
+    writes them into the token buffer. The rest of the row's inputs are already there."""
     block_ids: list[int]
     sampling: RowSampling | None
     """None for a prefill chunk that ends before the last known token: nothing is sampled."""
     draft_token_ids: list[int] = []
-    """Drafts to verify whose IDs the host holds (variable width, or a structured-output batch)."""
+    """Drafts to verify whose IDs the host holds (variable width, or a structured-output batch);
+    the runner reads them from the token buffer all the same."""
     num_draft_slots: int = 0
     """Drafts to verify that stayed on the device (fixed width): the host knows only the count."""
     num_placeholder_inputs: int = 0
     """Async scheduling: input tokens sampled by an earlier frame still in flight; the runner
-    takes them from the device, after the host token_ids."""
+    reads them from the token buffer, after the host token_ids."""
+    prev_step_id: int = -1
+    """The step whose device output (placeholder input, drafts) this row reads; -1 if none. The
+    runner refuses the row if that step did not complete for this (slot, generation)."""
 
     @property
     def num_drafts(self) -> int:
@@ -51,8 +59,9 @@ class StepFrame(msgspec.Struct, frozen=True, array_like=True):
     """K=0 step: no scheduled request can use drafts proposed after it."""
     host_drafts: bool = False
     """Draft IDs proposed after this step must reach the host."""
-    finished_req_ids: list[str] = []
-    """Requests finished or preempted since the last frame: their device state can go."""
+    num_speculative_tokens: int = 0
+    """K for drafts proposed after this step (0 without a speculator): the scheduler decides it,
+    the runner and the speculator read it from here."""
 
     @property
     def num_tokens(self) -> int:
@@ -60,7 +69,7 @@ class StepFrame(msgspec.Struct, frozen=True, array_like=True):
 
 
 class RowResult(msgspec.Struct, frozen=True, array_like=True):
-    req_id: str
+    key: int
     generation: int
     sampled: list[int]
     """Confirmed new tokens for this row (empty for a non-final prefill chunk)."""
@@ -71,13 +80,13 @@ class RowResult(msgspec.Struct, frozen=True, array_like=True):
     """Drafts for the next step, when they were copied to the host (trimmed at the first -1)."""
     num_next_drafts: int = 0
     """Drafts for the next step that stay on the device."""
+    error: str | None = None
+    """This row failed on the device: its request fails, the rest of the frame goes on."""
 
 
 class StepResult(msgspec.Struct, frozen=True, array_like=True):
     step_id: int
     rows: list[RowResult]
-    error: str | None = None
-    """Set when the step failed on the device; its rows' requests fail, the engine goes on."""
     k0: bool = False
     """The speculator ran only its sync pass (or its drafts were dropped)."""
     num_host_draft_copies: int = 0

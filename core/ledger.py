@@ -2,9 +2,9 @@
 
 A result is applied atomically per row: confirmed tokens (stop conditions checked token by
 token), the rollback of rejected draft positions, the drafts for the next step, and the
-speculation counters. Rows whose (req_id, generation) no longer match a live request are
-discarded, so output never lands on a request that was preempted, aborted, finished, or whose
-id was reused since the frame was scheduled.
+speculation counters. Rows whose (key, generation) no longer match a live request are
+discarded, so output never lands on a request that was preempted, aborted or finished since
+the frame was scheduled. A row that failed on the device fails its own request only.
 """
 
 from __future__ import annotations
@@ -38,29 +38,29 @@ class Ledger:
         frame = self.in_flight.pop(result.step_id, None)
         if frame is None:
             raise LedgerError(f"result for step {result.step_id}, which is not in flight")
-        scheduled = [(r.req_id, r.generation) for r in frame.rows]
-        if [(r.req_id, r.generation) for r in result.rows] != scheduled:
+        scheduled = [(r.key, r.generation) for r in frame.rows]
+        if [(r.key, r.generation) for r in result.rows] != scheduled:
             raise LedgerError(f"step {result.step_id}: result rows do not match the frame's rows")
         self.num_k0_steps += result.k0
         self.num_host_draft_copies += result.num_host_draft_copies
         deltas: list[RequestDelta] = []
         for sched_row, row in zip(frame.rows, result.rows, strict=True):
-            req = self.scheduler.requests.get(row.req_id)
+            req = self.scheduler.requests.get(row.key)
             if req is None or req.generation != row.generation:
                 self.num_stale_rows += 1
                 continue
             if req.last_applied_step >= result.step_id:
-                raise LedgerError(f"step {result.step_id} applied to {row.req_id} after step {req.last_applied_step}")
+                raise LedgerError(f"step {result.step_id} applied to {row.key} after step {req.last_applied_step}")
             req.last_applied_step = result.step_id
             self.num_async_rows += sched_row.num_placeholder_inputs > 0
             req.in_flight -= 1
             req.num_placeholders -= sched_row.sampling is not None
-            if result.error is not None:
+            if row.error is not None:
                 self.scheduler.finish(req, "error")
-                deltas.append(RequestDelta(req.req_id, [], "error", result.error))
+                deltas.append(RequestDelta(req.key, [], "error", row.error))
                 continue
             if row.num_accepted > row.num_drafts or row.num_drafts != sched_row.num_drafts:
-                raise LedgerError(f"step {result.step_id}: {row.req_id} accepted more drafts than it verified")
+                raise LedgerError(f"step {result.step_id}: {row.key} accepted more drafts than it verified")
             req.num_computed_tokens -= row.num_drafts - row.num_accepted  # rejected positions are void
             req.spec.record(row.num_drafts, row.num_accepted)
             self.spec.record(row.num_drafts, row.num_accepted)
@@ -75,12 +75,12 @@ class Ledger:
             self.num_generated_tokens += len(new)
             if reason is not None:
                 self.scheduler.finish(req, reason)
-                deltas.append(RequestDelta(req.req_id, new, reason, stats=req.spec.summary()))
+                deltas.append(RequestDelta(req.key, new, reason, stats=req.spec.summary()))
                 continue
             if row.next_draft_ids is not None:
                 req.draft_token_ids = row.next_draft_ids
             else:
                 req.num_draft_slots = row.num_next_drafts
             if new:
-                deltas.append(RequestDelta(req.req_id, new))
+                deltas.append(RequestDelta(req.key, new))
         return deltas

@@ -20,13 +20,17 @@ WIRE = {"array_like": True, "omit_defaults": True, "gc": False, "tag": True}
 
 
 class AddRequest(msgspec.Struct, **WIRE):
-    req_id: str
+    key: int
+    """Internal key, unique per request for the frontend's lifetime: deltas and aborts use it,
+    so a caller reusing a request id can never receive an earlier request's output."""
     prompt_token_ids: np.ndarray
     params: SamplingParams
+    request_id: str = ""
+    """The caller's id, for logs only."""
 
 
 class AbortRequests(msgspec.Struct, **WIRE):
-    req_ids: list[str]
+    keys: list[int]
 
 
 class UtilityCall(msgspec.Struct, **WIRE):
@@ -46,7 +50,7 @@ FrontendMessage = AddRequest | AbortRequests | UtilityCall | Shutdown
 
 
 class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    req_id: str
+    key: int
     new_token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None

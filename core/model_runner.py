@@ -1,155 +1,210 @@
-"""Runs one StepFrame on the device: forward, sample or verify, then propose the next drafts.
+"""Runs one StepFrame on the device: forward, sample or verify, then the speculator's pass.
 
-Fixed-width drafts stay in a device-side store between steps: the frame carries only their
-count and the runner splices them into the next input on the device. Draft IDs are copied to
-the host only when the frame asks for it (variable width, structured output).
+All of a step's input ids are gathered from the token buffer: the host writes the tokens it
+knows first, while placeholder inputs (async scheduling) and drafts are already there, put by
+the step that made them. Drafts are written back into the buffer right after each request's
+confirmed tokens; their IDs reach the host only when the frame asks (variable width,
+structured output).
+
+A failure is scoped to rows: when a step raises, its rows run again one by one and only the
+rows that fail alone fail; a row whose predecessor step did not complete for its slot fails
+without running.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import msgspec
+import numpy as np
 import torch
 
+from . import log as logmod
+from .attention import AttentionBackend
 from .frame import RowResult, ScheduledRow, StepFrame, StepResult
 from .models.llama import LlamaModel
-from .models.paged import build_metadata, new_kv_cache
+from .models.paged import new_kv_cache
+from .plugin import Speculator, TargetModel, TargetStates
 from .sampler import sample_on_device
-from .speculator import ProposeRow, Speculator
+from .token_pool import TokenPool
 from .verify import verify
 
-
-@dataclass
-class StoredDrafts:
-    generation: int
-    token_ids: torch.Tensor
-    """[K] int64 on the device."""
-    probs: torch.Tensor | None
+log = logmod.get("runner")
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, device: torch.device, num_blocks: int, block_size: int,
-                 speculator: Speculator | None = None, num_speculative_tokens: int = 0,
-                 use_triton: bool = False) -> None:
+                 attention: AttentionBackend, num_slots: int, max_model_len: int,
+                 speculator: Speculator | None = None, max_k: int = 0, use_triton: bool = False) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.attention = attention
         self.kv_cache = new_kv_cache(model.cfg, num_blocks, block_size, model.embed.weight.dtype, device)
         self.speculator = speculator
-        self.k = num_speculative_tokens
         self.use_triton = use_triton
-        self.drafts: dict[str, StoredDrafts] = {}
-        self.last_sampled: dict[str, tuple[int, torch.Tensor]] = {}
-        """Async scheduling: each request's latest sampled token, still on the device."""
-
-    def _row_input(self, row: ScheduledRow) -> torch.Tensor:
-        pieces = [torch.tensor(row.token_ids, dtype=torch.int64).to(self.device)]
-        if row.num_placeholder_inputs:
-            generation, token = self.last_sampled[row.req_id]
-            assert generation == row.generation, "placeholder input belongs to another generation"
-            pieces.append(token)
-        pieces.append(torch.tensor(row.draft_token_ids, dtype=torch.int64).to(self.device))
-        if row.num_draft_slots:
-            stored = self.drafts[row.req_id]
-            assert stored.generation == row.generation, "device drafts belong to another generation"
-            pieces.append(stored.token_ids[: row.num_draft_slots])
-        return torch.cat(pieces)
-
-    def _input_ids(self, frame: StepFrame) -> torch.Tensor:
-        if not any(r.num_draft_slots or r.num_placeholder_inputs for r in frame.rows):
-            ids = [t for r in frame.rows for t in r.token_ids + r.draft_token_ids]
-            return torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        return torch.cat([self._row_input(r) for r in frame.rows])
-
-    def forward(self, frame: StepFrame) -> torch.Tensor:
-        meta = build_metadata([(r.start_pos, r.num_tokens, r.block_ids) for r in frame.rows],
-                              self.block_size, self.device)
-        return self.model(self._input_ids(frame), self.kv_cache, meta)
+        # Room for the context, K drafts past it, and one spare column that catches padding.
+        self.pool = TokenPool(num_slots, max_model_len + max_k + 2, device)
+        caps = speculator.capabilities if speculator is not None else None
+        self.hidden_layers = caps.target_hidden_layers if caps is not None else ()
+        self.draft_probs: torch.Tensor | None = None
+        if caps is not None and caps.sampled_drafts:
+            self.draft_probs = torch.zeros(num_slots, max(max_k, 1), model.cfg.vocab_size, device=device)
+        self.target: TargetModel | None = None
+        if caps is not None and (caps.uses_target_kv or caps.uses_target_weights):
+            weights = caps.uses_target_weights
+            self.target = TargetModel(model.cfg, model.embed if weights else None, model.norm if weights else None,
+                                      model.logits if weights else None,
+                                      self.kv_cache if caps.uses_target_kv else None)
 
     @torch.inference_mode()
     def execute(self, frame: StepFrame) -> StepResult:
-        for req_id in frame.finished_req_ids:
-            self.drafts.pop(req_id, None)
-            self.last_sampled.pop(req_id, None)
-            if self.speculator is not None:
-                self.speculator.release(req_id)
-        hidden = self.forward(frame)
-        ends = torch.tensor([r.num_tokens for r in frame.rows]).cumsum(0).tolist()
-        sampling_rows = [(i, r) for i, r in enumerate(frame.rows) if r.sampling is not None]
-        k = max((r.num_drafts for _, r in sampling_rows), default=0)
+        results: list[RowResult | None] = [None] * len(frame.rows)
+        runnable = []
+        for i, row in enumerate(frame.rows):
+            if row.prev_step_id >= 0 and not self.pool.ran(row.slot, row.generation, row.prev_step_id):
+                results[i] = self._failed(row, f"step {row.prev_step_id}, whose output this row reads, failed")
+            else:
+                runnable.append(i)
+        k0, copies = self._run(frame, runnable, results)
+        return StepResult(frame.step_id, [r for r in results if r is not None], k0=k0,
+                          num_host_draft_copies=copies)
+
+    def _run(self, frame: StepFrame, idx: list[int], results: list[RowResult | None]) -> tuple[bool, int]:
+        """Runs rows idx of frame into results; returns (k0, host draft copies)."""
+        if not idx:
+            return frame.skip_drafts, 0
+        try:
+            out = self._execute(msgspec.structs.replace(frame, rows=[frame.rows[i] for i in idx]))
+        except Exception as e:
+            log.exception("step_rows_failed", step_id=frame.step_id, rows=len(idx))
+            if len(idx) == 1:
+                results[idx[0]] = self._failed(frame.rows[idx[0]], f"{type(e).__name__}: {e}")
+                return False, 0
+            # Rows are independent (KV and token-buffer writes depend only on the row), so each
+            # runs again alone: only the rows that fail by themselves fail.
+            k0, copies = False, 0
+            for i in idx:
+                k, c = self._run(frame, [i], results)
+                k0, copies = k0 or k, copies + c
+            return k0, copies
+        for i, row in zip(idx, out.rows, strict=True):
+            results[i] = row
+        return out.k0, out.num_host_draft_copies
+
+    def _failed(self, row: ScheduledRow, error: str) -> RowResult:
+        self.pool.failed(row.slot)
+        return RowResult(row.key, row.generation, [], row.num_drafts, error=error)
+
+    def _execute(self, frame: StepFrame) -> StepResult:
+        rows = frame.rows
+        lens = [r.num_tokens for r in rows]
+        query_start = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        slots = np.asarray([r.slot for r in rows], np.int64)
+        starts = np.asarray([r.start_pos for r in rows], np.int64)
+        # Host-known tokens go into the buffer; then every input id is gathered from it.
+        host_n = np.asarray([len(r.token_ids) for r in rows], np.int64)
+        host_slots = np.repeat(slots, host_n)
+        host_pos = np.concatenate([np.arange(r.start_pos, r.start_pos + len(r.token_ids)) for r in rows])
+        host_vals = np.fromiter((t for r in rows for t in r.token_ids), np.int64, int(host_n.sum()))
+        self.pool.write_host(host_slots, host_pos.astype(np.int64), host_vals)
+        meta = self.attention.prepare([(r.start_pos, r.num_tokens, r.block_ids) for r in rows])
+        tok_slots = torch.from_numpy(np.repeat(slots, lens)).to(self.device, non_blocking=True)
+        input_ids = self.pool.tokens[tok_slots, meta.positions]
+        hidden, captured = self.model.forward_with_hidden(input_ids, self.kv_cache, meta, self.hidden_layers)
+
+        sampling_idx = [i for i, r in enumerate(rows) if r.sampling is not None]
+        slot_index = torch.from_numpy(slots).to(self.device, non_blocking=True)
+        num_drafts = [r.num_drafts for r in rows]
+        tokens: dict[int, list[int]] = {}
+        accepted_host = [0] * len(rows)
+        accepted = torch.zeros(len(rows), dtype=torch.int64, device=self.device)
+        if sampling_idx:
+            out, nacc = self._sample(frame, hidden, query_start, sampling_idx, slot_index)
+            idx = torch.tensor(sampling_idx, device=self.device)
+            accepted[idx] = nacc
+            # Confirmed tokens land right after each row's last verified input (-1 past the end).
+            first = torch.tensor([starts[i] + lens[i] - num_drafts[i] for i in sampling_idx], device=self.device)
+            self.pool.write(slot_index[idx], first, out)
+            host_out, host_nacc = out.tolist(), nacc.tolist()
+            for j, i in enumerate(sampling_idx):
+                tokens[i] = [t for t in host_out[j] if t >= 0]
+                accepted_host[i] = host_nacc[j]
+        result_rows = [RowResult(r.key, r.generation, tokens.get(i, []), num_drafts[i], accepted_host[i])
+                       for i, r in enumerate(rows)]
+        k0, copies = False, 0
+        if self.speculator is not None:
+            seq_lens = [starts[i] + lens[i] - num_drafts[i] + (accepted_host[i] + 1 if i in tokens else 0)
+                        for i in range(len(rows))]
+            states = TargetStates(
+                tokens=self.pool.tokens, slots=slots.tolist(), slot_index=slot_index,
+                generations=[r.generation for r in rows], start_pos=starts.tolist(),
+                query_start=query_start.tolist(), positions=meta.positions, num_drafts=num_drafts,
+                accepted=accepted, seq_lens=[int(n) for n in seq_lens], samples=[i in tokens for i in range(len(rows))],
+                sampling=[r.sampling for r in rows], block_tables=[r.block_ids for r in rows],
+                hidden=captured, target=self.target)
+            k0, copies = self._speculate(frame, states, result_rows, sampling_idx)
+        for r in rows:
+            self.pool.completed(r.slot, r.generation, frame.step_id)
+        return StepResult(frame.step_id, result_rows, k0=k0, num_host_draft_copies=copies)
+
+    def _sample(self, frame: StepFrame, hidden: torch.Tensor, query_start: np.ndarray, sampling_idx: list[int],
+                slot_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [S, K+1] -1 padded, accepted [S]) for the rows that sample."""
+        rows = frame.rows
+        sampling = [rows[i].sampling for i in sampling_idx]
+        k = max(rows[i].num_drafts for i in sampling_idx)
+        ends = query_start[1:]
         if k == 0:
-            logits = self.model.logits(hidden[[ends[i] - 1 for i, _ in sampling_rows]])
-            on_device = sample_on_device(logits, [r.sampling for _, r in sampling_rows])  # type: ignore[misc]
-            for j, (_, r) in enumerate(sampling_rows):
-                self.last_sampled[r.req_id] = (r.generation, on_device[j : j + 1])
-            tokens = [[t] for t in on_device.tolist()]
-            accepted = [0] * len(sampling_rows)
-        else:
-            tokens, accepted = self._verify(frame, hidden, ends, sampling_rows, k)
-        out: dict[int, tuple[list[int], int]] = {
-            i: (tokens[j], accepted[j]) for j, (i, _) in enumerate(sampling_rows)}
-        result_rows = [RowResult(r.req_id, r.generation, out.get(i, ([], 0))[0], r.num_drafts,
-                                 out.get(i, ([], 0))[1]) for i, r in enumerate(frame.rows)]
-        if self.speculator is None:
-            return StepResult(frame.step_id, result_rows)
-        if not sampling_rows:  # prefill chunks only: nothing to draft from yet
-            return StepResult(frame.step_id, result_rows, k0=frame.skip_drafts)
-        return self._propose(frame, result_rows, sampling_rows)
-
-    def _verify(self, frame: StepFrame, hidden: torch.Tensor, ends: list[int],
-                sampling_rows: list[tuple[int, ScheduledRow]], k: int) -> tuple[list[list[int]], list[int]]:
-        positions, draft_ids, probs = [], [], []
-        sampled_drafts = self.speculator is not None and self.speculator.capabilities.sampled_drafts
-        for i, row in sampling_rows:
-            d = row.num_drafts
-            first = ends[i] - 1 - d
+            logits = self.model.logits(hidden[torch.from_numpy(ends[sampling_idx] - 1).to(self.device)])
+            out = sample_on_device(logits, sampling)  # type: ignore[arg-type]
+            return out[:, None], torch.zeros_like(out)
+        # Verify: logits at each row's last host token and its drafts, padded to K + 1.
+        positions, draft_pos = [], []
+        for i in sampling_idx:
+            d = rows[i].num_drafts
+            first = int(ends[i]) - 1 - d
             positions.append([first + min(j, d) for j in range(k + 1)])
-            ids = torch.full((k,), -1, dtype=torch.int64, device=self.device)
-            q = torch.zeros(k, self.model.cfg.vocab_size, device=self.device) if sampled_drafts else None
-            if d:
-                stored = self.drafts.get(row.req_id)
-                ids[:d] = (stored.token_ids[:d] if row.num_draft_slots and stored is not None
-                           else torch.tensor(row.draft_token_ids, device=self.device))
-                if q is not None and stored is not None and stored.probs is not None:
-                    q[:d] = stored.probs[:d]
-            draft_ids.append(ids)
-            if q is not None:
-                probs.append(q)
+            p0 = rows[i].start_pos + rows[i].num_tokens - d
+            draft_pos.append([p0 + j if j < d else -1 for j in range(k)])
+        dpos = torch.tensor(draft_pos, device=self.device)
+        sel = slot_index[torch.tensor(sampling_idx, device=self.device)]
+        draft_ids = torch.where(dpos >= 0, self.pool.tokens[sel[:, None], dpos.clamp(min=0)], -1)
+        probs = None
+        if self.draft_probs is not None:
+            probs = self.draft_probs[sel, :k]
         logits = self.model.logits(hidden[torch.tensor(positions, device=self.device)])
-        out, nacc = verify(logits, torch.stack(draft_ids), [r.sampling for _, r in sampling_rows],  # type: ignore[misc]
-                           torch.stack(probs) if probs else None, use_triton=self.use_triton)
-        host_tokens, host_nacc = out.tolist(), nacc.tolist()
-        return [[t for t in row if t >= 0] for row in host_tokens], host_nacc
+        return verify(logits, draft_ids, sampling, probs, use_triton=self.use_triton)  # type: ignore[arg-type]
 
-    def _propose(self, frame: StepFrame, rows: list[RowResult],
-                 sampling_rows: list[tuple[int, ScheduledRow]]) -> StepResult:
+    def _speculate(self, frame: StepFrame, states: TargetStates, rows: list[RowResult],
+                   sampling_idx: list[int]) -> tuple[bool, int]:
+        """Runs the speculator's pass over every row; returns (k0, host draft copies)."""
         assert self.speculator is not None
         spec = self.speculator
-        propose_rows = [
-            ProposeRow(r.req_id, r.generation, r.start_pos, r.token_ids, rows[i].sampled, r.block_ids,
-                       r.sampling.temperature, r.sampling.seed)  # type: ignore[union-attr]
-            for i, r in sampling_rows
-        ]
-        if frame.skip_drafts and spec.capabilities.supports_k0:
-            spec.sync(propose_rows)
-            return StepResult(frame.step_id, rows, k0=True)
-        drafts = spec.propose(propose_rows, self.k)
+        k = frame.num_speculative_tokens
+        if not sampling_idx or (frame.skip_drafts and spec.capabilities.supports_k0):
+            spec.sync(states)
+            return frame.skip_drafts, 0
+        drafts = spec.propose(states, k)
         if frame.skip_drafts:  # the speculator cannot skip drafting: its drafts are dropped
-            return StepResult(frame.step_id, rows, k0=True)
-        for j, (_, r) in enumerate(sampling_rows):
-            probs = drafts.probs[j] if drafts.probs is not None else None
-            self.drafts[r.req_id] = StoredDrafts(r.generation, drafts.token_ids[j], probs)
-        host = drafts.token_ids.tolist() if frame.host_drafts else None
-        for j, (i, _) in enumerate(sampling_rows):
-            if host is None:
-                rows[i] = msgspec.structs.replace(rows[i], num_next_drafts=self.k)
-            else:
-                cut = next((n for n, t in enumerate(host[j]) if t < 0), len(host[j]))
-                rows[i] = msgspec.structs.replace(rows[i], next_draft_ids=host[j][:cut])
-        return StepResult(frame.step_id, rows, num_host_draft_copies=int(host is not None))
+            return True, 0
+        idx = torch.tensor(sampling_idx, device=self.device)
+        ids = drafts.token_ids[idx]
+        start = torch.tensor([states.seq_lens[i] for i in sampling_idx], device=self.device)
+        self.pool.write(states.slot_index[idx], start, ids)
+        if self.draft_probs is not None and drafts.probs is not None:
+            self.draft_probs[states.slot_index[idx], :k] = drafts.probs[idx].float()
+        if not frame.host_drafts:
+            for i in sampling_idx:
+                rows[i] = msgspec.structs.replace(rows[i], num_next_drafts=k)
+            return False, 0
+        for j, drafted in zip(sampling_idx, ids.tolist(), strict=True):
+            cut = next((n for n, t in enumerate(drafted) if t < 0), len(drafted))
+            rows[j] = msgspec.structs.replace(rows[j], next_draft_ids=drafted[:cut])
+        return False, 1
 
     @torch.inference_mode()
     def prompt_logits(self, frame: StepFrame) -> torch.Tensor:
-        """Logits of every position of a frame (tests compare them with a reference model)."""
-        return self.model.logits(self.forward(frame))
+        """Logits of every position of a frame whose rows carry all their tokens (tests compare
+        them with a reference model)."""
+        ids = torch.tensor([t for r in frame.rows for t in r.token_ids], device=self.device)
+        meta = self.attention.prepare([(r.start_pos, r.num_tokens, r.block_ids) for r in frame.rows])
+        return self.model.logits(self.model(ids, self.kv_cache, meta))

@@ -26,12 +26,16 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     delta_text: str
     delta_token_ids: list[int]
     text: str
-    """Everything generated so far (stop strings removed)."""
+    """Everything generated so far (stop strings removed): the concatenation of every delta_text.
+    Text that might still begin a stop string is held back until it is clear it does not."""
     token_ids: list[int]
+    """The tokens behind `text`, the concatenation of every delta_token_ids: they end at the token
+    where `text` ends (tokens past a stop string are dropped; see detokenizer.py for the rule)."""
     prompt_token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
-    """stop (EOS, stop token or stop string), length, abort or error."""
+    """stop (EOS, stop token or stop string), length, abort or error; "stop" wins whenever a stop
+    string ended the text, even in the delta where max_tokens ran out."""
     timing: Timing | None = None
     stats: dict[str, Any] | None = None
     """Speculation counters of this request, on the final output."""

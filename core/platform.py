@@ -1,26 +1,76 @@
 """The platform plugin contract: what the kernel needs from a device runtime.
 
 A platform is a class registered under the `speckernel.platforms` entry point. The kernel
-reads its frozen capability struct and calls only the methods below; it never patches torch.
+reads its frozen capability struct and calls only the methods below, so it never branches on
+a device's name and never patches torch. Vendor SDKs are imported lazily, inside the methods
+that need them: every platform imports (and its tests run) without its SDK.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
 import msgspec
 import torch
 
+from .attention import AttentionBackend
+from .errors import InvalidInputError, SpeckernelError
+
 
 class PlatformCapabilities(msgspec.Struct, frozen=True, kw_only=True):
     device_type: str
+    """torch device type: cpu, cuda, npu."""
     default_dtype: str
+    """Model dtype when the user names none (a key of DTYPES)."""
     dist_backend: str
     """torch.distributed backend: gloo, nccl or hccl."""
     supports_graphs: bool = False
-    supports_streams: bool = False
+    """`graph_capture` works here."""
+    triton: bool = False
+    """Triton kernels run here natively."""
     priority: int = 0
     """Automatic selection takes the available platform with the highest priority."""
+
+
+class GraphCaptureUnsupportedError(SpeckernelError, NotImplementedError):
+    """This platform cannot capture device graphs; check `capabilities.supports_graphs` first."""
+
+
+class DeviceGraph(Protocol):
+    """A captured sequence of device work."""
+
+    def replay(self) -> None:
+        """Runs the captured work again, on the same memory."""
+        ...
+
+    def pool(self) -> object:
+        """Its memory pool: pass it to the next `graph_capture` so graphs share one pool."""
+        ...
+
+
+class HostGate(Protocol):
+    """Makes device work issued after `enqueue()` wait until the host calls `open()`.
+
+    The runner calls enqueue() at the point in stream order where gated work starts, wait()
+    right before it issues that work, and open() once the host has written what the work
+    reads. Where the stream itself can wait for the host, wait() returns at once and the host
+    never stalls; elsewhere wait() blocks the issuing thread. A gate is used once, and opens by
+    itself after its timeout (setting `timed_out` and logging it), so a lost open() stalls the
+    device for a while, never forever.
+    """
+
+    timed_out: bool
+
+    def enqueue(self) -> None: ...
+
+    def wait(self) -> None: ...
+
+    def open(self) -> None: ...
+
+
+GATE_TIMEOUT_S = 30.0
+"""A gate spans one step's host work (milliseconds); one still shut after this is a bug."""
 
 
 @runtime_checkable
@@ -40,15 +90,26 @@ class Platform(Protocol):
         """(free, total) bytes of the memory the KV cache is carved from."""
         ...
 
-    def new_stream(self) -> object: ...
+    def kv_budget_bytes(self) -> int:
+        """Bytes for the paged KV cache (target and draft) when the user gives no budget."""
+        ...
 
-    def new_event(self) -> object: ...
+    def attention_backend(self, block_size: int, max_tokens: int) -> AttentionBackend:
+        """A fresh backend sized for steps of up to `max_tokens` tokens; one per model, since
+        a backend's metadata lives only until its next prepare()."""
+        ...
 
-    def pin(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def graph_capture(self, pool: object | None = None) -> AbstractContextManager[DeviceGraph]:
+        """`with platform.graph_capture() as graph:` captures the device work of the block into
+        `graph` instead of running it. Raises GraphCaptureUnsupportedError where graphs are not
+        supported."""
+        ...
 
-    def synchronize(self) -> None: ...
+    def host_gate(self, timeout_s: float = GATE_TIMEOUT_S) -> HostGate: ...
 
-    def seed_all(self, seed: int) -> None: ...
+    def synchronize(self) -> None:
+        """Waits for all work issued to the device (benchmarks time device work with it)."""
+        ...
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -56,8 +117,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    from .errors import InvalidInputError
-
     try:
         return DTYPES[name]
     except KeyError:

@@ -52,6 +52,10 @@ def describe() -> dict[str, dict[str, Any]]:
             try:
                 cls = ep.load()
                 entry = {"entry_point": ep.value, **msgspec.to_builtins(cls.capabilities)}
+                options = getattr(cls, "Options", None)
+                if options is not None:  # a speculator's options with their defaults
+                    entry["options"] = {f.name: None if f.default is msgspec.NODEFAULT else f.default
+                                        for f in msgspec.structs.fields(options)}
                 if hasattr(cls, "is_available"):
                     entry["available"] = bool(cls.is_available())
             except Exception as e:  # a broken third-party plugin must not hide the others

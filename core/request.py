@@ -54,7 +54,8 @@ class Status(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Request:
-    req_id: str
+    key: int
+    """Unique per request (the frontend's counter); the caller's id never reaches the kernel."""
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
@@ -73,6 +74,9 @@ class Request:
     num_placeholders: int = 0
     """Tokens being sampled by frames in flight: scheduled, value still on the device."""
     last_applied_step: int = -1
+    last_scheduled_step: int = -1
+    slot: int = -1
+    """Row of the device token buffer, held from admission to finish or preemption (-1: none)."""
     block_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None

@@ -2,9 +2,10 @@
 
 One `schedule()` reads top to bottom: running requests first (decode with its drafts, or the
 next chunk of a prefill), then waiting requests while the token budget and `max_num_seqs`
-allow. When blocks run out, the most recently admitted running request is preempted: its
-blocks are freed, its generation renewed, and it recomputes from its prompt plus the output
-it already has.
+allow. An admitted request takes a slot (its row of the device token buffer) until it
+finishes or is preempted. When blocks run out, the most recently admitted running request is
+preempted: its blocks and slot are freed, its generation renewed, and it recomputes from its
+prompt plus the output it already has.
 """
 
 from __future__ import annotations
@@ -37,19 +38,19 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.spec = spec
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[int, Request] = {}
+        self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.next_step_id = 0
         self.num_preemptions = 0
-        self.finished_ids: list[str] = []
         # Generations come from one counter, so (req_id, generation) is never reused, even
         # when a caller reuses a request id after the first request finished.
         self.generations = itertools.count(1)
 
     def add(self, req: Request) -> None:
         req.generation = next(self.generations)
-        self.requests[req.req_id] = req
+        self.requests[req.key] = req
         self.waiting.append(req)
 
     def _can_overlap(self, req: Request) -> bool:
@@ -94,6 +95,7 @@ class Scheduler:
             if not self.blocks.ensure(req, self._slots_needed(req, n_known)):
                 break
             self.waiting.popleft()
+            req.slot = self.free_slots.pop()
             req.status = Status.RUNNING
             self.running.append(req)
             rows.append(self._row(req, n_known, [], 0))
@@ -105,10 +107,9 @@ class Scheduler:
             rows=rows,
             skip_drafts=self._skip_drafts(rows),
             host_drafts=self.spec is not None and (
-                self.spec.variable_width or any(self.requests[r.req_id].params.structured_output for r in rows)),
-            finished_req_ids=self.finished_ids,
+                self.spec.variable_width or any(self.requests[r.key].params.structured_output for r in rows)),
+            num_speculative_tokens=self.spec.num_speculative_tokens if self.spec is not None else 0,
         )
-        self.finished_ids = []
         self.next_step_id += 1
         return frame
 
@@ -130,6 +131,9 @@ class Scheduler:
     def _row(self, req: Request, n: int, drafts: list[int], slots: int,
              placeholder_inputs: int = 0) -> ScheduledRow:
         start = req.num_computed_tokens
+        reads_device = placeholder_inputs > 0 or slots > 0 or bool(drafts)  # host drafts too sit in the buffer
+        prev_step = req.last_scheduled_step if reads_device else -1
+        req.last_scheduled_step = self.next_step_id
         req.num_computed_tokens += n + placeholder_inputs + len(drafts) + slots
         req.in_flight += 1
         req.draft_token_ids, req.num_draft_slots = [], 0
@@ -140,15 +144,15 @@ class Scheduler:
             sampling = RowSampling(p.temperature, p.top_k, p.top_p, req.seed,
                                    len(req.output_token_ids) + req.num_placeholders)
             req.num_placeholders += 1
-        return ScheduledRow(req.req_id, req.generation, start, req.token_ids(start, start + n),
-                            list(req.block_ids), sampling, drafts, slots, placeholder_inputs)
+        return ScheduledRow(req.key, req.generation, req.slot, start, req.token_ids(start, start + n),
+                            list(req.block_ids), sampling, drafts, slots, placeholder_inputs, prev_step)
 
     def _skip_drafts(self, rows: list[ScheduledRow]) -> bool:
         """K=0 when no row can verify drafts proposed after this step: rows that sample nothing
         (non-final prefill chunks) and rows sure to finish with the token this step emits."""
         if self.spec is None or not self.spec.skip_drafts:
             return False
-        return not any(row.sampling is not None and self.may_continue(self.requests[row.req_id]) for row in rows)
+        return not any(row.sampling is not None and self.may_continue(self.requests[row.key]) for row in rows)
 
     @staticmethod
     def may_continue(req: Request) -> bool:
@@ -156,9 +160,15 @@ class Scheduler:
         emitted = len(req.output_token_ids) + req.num_placeholders
         return emitted < req.params.max_tokens and req.num_tokens + req.num_placeholders < req.max_total_tokens
 
+    def _release_slot(self, req: Request) -> None:
+        if req.slot >= 0:
+            self.free_slots.append(req.slot)
+            req.slot = -1
+
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.blocks.free(req)
+        self._release_slot(req)
         req.num_computed_tokens = 0
         req.in_flight = req.num_placeholders = 0
         req.generation = next(self.generations)
@@ -166,7 +176,6 @@ class Scheduler:
         req.num_preemptions += 1
         req.draft_token_ids, req.num_draft_slots = [], 0
         self.num_preemptions += 1
-        self.finished_ids.append(req.req_id)
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str) -> None:
@@ -176,10 +185,10 @@ class Scheduler:
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         self.blocks.free(req)
+        self._release_slot(req)
         req.generation = next(self.generations)
         req.in_flight = req.num_placeholders = 0
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.draft_token_ids, req.num_draft_slots = [], 0
-        self.finished_ids.append(req.req_id)
-        self.requests.pop(req.req_id, None)
+        self.requests.pop(req.key, None)

@@ -1,4 +1,6 @@
-"""Ascend NPU platform through `torch_npu`, imported only when the platform is used."""
+"""Ascend NPU platform through `torch_npu`, imported only when the platform is used. Graphs
+through torch.npu.NPUGraph where the installed torch_npu has it; the host gate waits on the
+host (no stream-side host function yet)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from .accelerator import TorchAcceleratorPlatform
 
 class AscendPlatform(TorchAcceleratorPlatform):
     name = "ascend"
-    capabilities = PlatformCapabilities(device_type="npu", default_dtype="bfloat16",
-                                        dist_backend="hccl", supports_graphs=True,
-                                        supports_streams=True, priority=5)
+    capabilities = PlatformCapabilities(device_type="npu", default_dtype="bfloat16", dist_backend="hccl",
+                                        supports_graphs=True, priority=5)
+    graph_class = "NPUGraph"
 
     @classmethod
     def module(cls) -> Any:

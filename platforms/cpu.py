@@ -1,26 +1,31 @@
-"""CPU platform: float32, host events stand in for streams, gloo for collectives."""
+"""CPU platform: float32, gloo for collectives; work runs in issue order on the calling thread."""
 
 from __future__ import annotations
 
 import os
-import threading
+from contextlib import AbstractContextManager
+from typing import ClassVar
 
 import torch
 
-from speckernel.platform import PlatformCapabilities
+from speckernel.attention import TorchPagedAttention
+from speckernel.platform import (
+    GATE_TIMEOUT_S,
+    DeviceGraph,
+    GraphCaptureUnsupportedError,
+    PlatformCapabilities,
+    parse_dtype,
+)
 
-
-class HostStream:
-    """CPU work is issued in order on the calling thread; a stream is only a name for it."""
-
-    def wait_event(self, event: threading.Event) -> None:
-        event.wait()
+from .gate import HostWaitGate
 
 
 class CpuPlatform:
     name = "cpu"
-    capabilities = PlatformCapabilities(device_type="cpu", default_dtype="float32",
-                                        dist_backend="gloo", priority=0)
+    capabilities = PlatformCapabilities(device_type="cpu", default_dtype="float32", dist_backend="gloo", priority=0)
+    kv_budget_cap: ClassVar[int] = 1 << 30
+    """The KV cache shares host memory with everything else: take at most this, and at most a
+    quarter of what is free."""
 
     @classmethod
     def is_available(cls) -> bool:
@@ -31,24 +36,26 @@ class CpuPlatform:
         return torch.device("cpu")
 
     def default_dtype(self) -> torch.dtype:
-        return torch.float32
+        return parse_dtype(self.capabilities.default_dtype)
 
     def memory_info(self) -> tuple[int, int]:
         pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
         total = os.sysconf("SC_PHYS_PAGES") * size
         return pages * size, total
 
-    def new_stream(self) -> HostStream:
-        return HostStream()
+    def kv_budget_bytes(self) -> int:
+        free, _ = self.memory_info()
+        return min(self.kv_budget_cap, free // 4)
 
-    def new_event(self) -> threading.Event:
-        return threading.Event()
+    def attention_backend(self, block_size: int, max_tokens: int) -> TorchPagedAttention:
+        return TorchPagedAttention(block_size, max_tokens, self.device, pin_host=False)
 
-    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+    def graph_capture(self, pool: object | None = None) -> AbstractContextManager[DeviceGraph]:
+        raise GraphCaptureUnsupportedError("platform 'cpu' cannot capture device graphs "
+                                           "(capabilities.supports_graphs is False)")
+
+    def host_gate(self, timeout_s: float = GATE_TIMEOUT_S) -> HostWaitGate:
+        return HostWaitGate(timeout_s)
 
     def synchronize(self) -> None:
-        return None
-
-    def seed_all(self, seed: int) -> None:
-        torch.manual_seed(seed)
+        """CPU ops have finished when they return."""

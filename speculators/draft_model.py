@@ -4,104 +4,146 @@ Option `num_layers=N` keeps only the draft checkpoint's first N layers (with its
 head): a cheap self-speculative drafter from the target's own weights when no smaller
 checkpoint with the same tokenizer exists.
 
-It keeps its own paged KV cache, indexed by the target's block tables (so the kernel's block
-accounting covers it), and needs one lookahead slot per draft: after a step it writes draft
-KV up to K - 1 positions past the confirmed tokens. Fixed width: the host needs only the count.
+Its KV lives in the draft-KV memory the kernel allocates (`draft_kv_bytes_per_token`), indexed
+by the target's block tables, and it needs one lookahead slot per draft: after a step it
+writes draft KV up to K - 1 positions past the confirmed tokens. It sees every row of every
+step, prefill chunks included, and reads every token from the kernel's token buffer. Per slot
+it keeps only how many leading positions of its KV hold confirmed tokens; rejected drafts roll
+that count back. Fixed width: the host needs only the count.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Annotated
+
 import msgspec
 import torch
 
-from speckernel.errors import InvalidInputError
-from speckernel.models.builtin import resolve
-from speckernel.models.loader import load_model, read_config
-from speckernel.models.paged import build_metadata, new_kv_cache
-from speckernel.sampler import draw_seed
-from speckernel.speculator import Drafts, ProposeRow, SpeculatorCapabilities, SpeculatorContext
-
-from .history import TokenHistory
+from speckernel.plugin import (
+    Drafts,
+    InvalidInputError,
+    ModelConfig,
+    SpeculatorBase,
+    SpeculatorCapabilities,
+    SpeculatorContext,
+    TargetStates,
+    draw_seed,
+    load_model,
+    read_config,
+    resolve_model,
+)
 
 DRAFT_SALT = 0xD4AF7
 
 
-class DraftModelSpeculator:
+class DraftModelOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    num_layers: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Keep only the draft checkpoint's first N layers (0: all)."""
+
+
+@dataclass
+class SlotKV:
+    generation: int
+    valid: int = 0
+    """Leading positions whose draft KV holds confirmed tokens."""
+    drafted_end: int = 0
+    """End of the positions written with draft tokens by the last proposal."""
+
+
+class DraftModelSpeculator(SpeculatorBase):
     name = "draft_model"
     capabilities = SpeculatorCapabilities(draft_width="fixed", supports_k0=True, max_k=16,
                                           lookahead_slots_per_draft=1, sampled_drafts=True)
+    Options = DraftModelOptions
 
     def __init__(self, ctx: SpeculatorContext) -> None:
-        self.check(ctx)
-        path = resolve(ctx.options.draft_model or str(ctx.target_path))
-        self.model = load_model(path, ctx.dtype, ctx.device, ctx.max_model_len + self.capabilities.max_k + 1)
-        num_layers = int(ctx.options.extra.get("num_layers", 0))
-        if num_layers:
-            del self.model.layers[num_layers:]
-        self.block_size = ctx.block_size
+        cfg = self._draft_config(ctx)
+        self.model = load_model(self._path(ctx), ctx.dtype, ctx.device, ctx.max_model_len + self.capabilities.max_k + 1)
+        del self.model.layers[cfg.num_layers:]
+        assert ctx.draft_kv is not None and ctx.attention is not None, "the kernel allocates the draft KV"
+        slots = ctx.num_kv_blocks * ctx.block_size
+        self.kv = ctx.draft_kv.view(ctx.dtype).view(cfg.num_layers, 2, slots, cfg.num_kv_heads, cfg.head_dim)
+        self.attention = ctx.attention
         self.device = ctx.device
-        cfg = msgspec.structs.replace(self.model.cfg, num_layers=len(self.model.layers))
-        self.kv = new_kv_cache(cfg, ctx.num_kv_blocks, ctx.block_size, ctx.dtype, ctx.device)
-        self.history = TokenHistory()
-        self.computed: dict[str, int] = {}
-        """Positions whose draft KV holds confirmed tokens."""
+        self.slots: dict[int, SlotKV] = {}
 
-    def check(self, ctx: SpeculatorContext) -> None:
-        unknown = set(ctx.options.extra) - {"num_layers"}
-        if unknown:
-            raise InvalidInputError(f"draft_model options: unknown {sorted(unknown)}; known: ['num_layers']")
-        draft = read_config(resolve(ctx.options.draft_model or str(ctx.target_path)))
-        num_layers = ctx.options.extra.get("num_layers", "0")
-        if not num_layers.isdigit() or not 0 <= int(num_layers) <= draft.num_layers:
+    @staticmethod
+    def _path(ctx: SpeculatorContext):  # type: ignore[no-untyped-def]
+        return resolve_model(ctx.draft_model or str(ctx.target_path))
+
+    @classmethod
+    def _draft_config(cls, ctx: SpeculatorContext) -> ModelConfig:
+        draft = read_config(cls._path(ctx))
+        n = ctx.options.num_layers or draft.num_layers
+        return msgspec.structs.replace(draft, num_layers=n)
+
+    @classmethod
+    def check(cls, ctx: SpeculatorContext) -> None:
+        draft = read_config(cls._path(ctx))
+        if ctx.options.num_layers > draft.num_layers:
             raise InvalidInputError(f"draft_model option num_layers: expected an integer in [1, {draft.num_layers}], "
-                                    f"got {num_layers!r}")
-        if ctx.options.draft_model is None:
-            return  # the target drafts for itself: same tokenizer by construction
+                                    f"got {ctx.options.num_layers}")
         if draft.vocab_size != ctx.target.vocab_size:
             raise InvalidInputError(
                 f"draft model vocabulary ({draft.vocab_size}) differs from the target's "
                 f"({ctx.target.vocab_size}); draft_model needs the target's tokenizer")
 
-    def _catch_up(self, rows: list[ProposeRow]) -> torch.Tensor:
-        """Feeds each row's confirmed tokens not yet in the draft KV; returns last-position logits."""
-        chunks, ids = [], []
-        for row in rows:
-            tokens = self.history.update(row)
-            start = min(self.computed.get(row.req_id, 0), row.start_pos + len(row.input_token_ids))
-            start = min(start, len(tokens) - 1)
-            chunks.append((start, len(tokens) - start, row.block_ids))
-            ids.extend(tokens[start:])
-            self.computed[row.req_id] = len(tokens)
-        meta = build_metadata(chunks, self.block_size, self.device)
-        hidden = self.model(torch.tensor(ids, device=self.device), self.kv, meta)
-        last = torch.tensor([0] + [c[1] for c in chunks], device=self.device).cumsum(0)[1:] - 1
+    @classmethod
+    def draft_kv_bytes_per_token(cls, ctx: SpeculatorContext) -> int:
+        cfg = cls._draft_config(ctx)
+        return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=ctx.dtype).element_size()
+
+    def _catch_up(self, states: TargetStates) -> torch.Tensor:
+        """Feeds each row's confirmed tokens not yet in the draft KV; returns the logits at
+        each row's last confirmed position."""
+        chunks, slot_of, pos_of = [], [], []
+        accepted = states.accepted.tolist()
+        for i in range(states.num_rows):
+            slot, gen, end = states.slots[i], states.generations[i], states.seq_lens[i]
+            kv = self.slots.get(slot)
+            if kv is None or kv.generation != gen:
+                kv = self.slots[slot] = SlotKV(gen)
+            # Accepted drafts that were fed as drafts keep their KV; rejected ones roll back.
+            # (Nothing is stored before the forward runs, so a step that fails and runs again
+            # computes the same.)
+            start = min(kv.valid + accepted[i], kv.drafted_end, end - 1)
+            chunks.append((start, end - start, states.block_tables[i]))
+            slot_of += [slot] * (end - start)
+            pos_of += range(start, end)
+        ids = states.tokens[torch.tensor(slot_of, device=self.device), torch.tensor(pos_of, device=self.device)]
+        hidden = self.model(ids, self.kv, self.attention.prepare(chunks))
+        for slot, end in zip(states.slots, states.seq_lens, strict=True):  # only once the KV is written
+            self.slots[slot].valid = self.slots[slot].drafted_end = end
+        last = torch.tensor([c[1] for c in chunks], device=self.device).cumsum(0) - 1
         return self.model.logits(hidden[last])
 
     @torch.inference_mode()
-    def propose(self, rows: list[ProposeRow], k: int) -> Drafts:
-        logits = self._catch_up(rows)
-        drafts = torch.empty(len(rows), k, dtype=torch.int64, device=self.device)
-        probs = torch.zeros(len(rows), k, logits.shape[-1], device=self.device)
-        lengths = [row.num_tokens for row in rows]
+    def propose(self, states: TargetStates, k: int) -> Drafts:
+        logits = self._catch_up(states)
+        rows = [i for i in range(states.num_rows) if states.samples[i]]
+        drafts = torch.zeros(states.num_rows, k, dtype=torch.int64, device=self.device)
+        probs = torch.zeros(states.num_rows, k, logits.shape[-1], device=self.device)
+        idx = torch.tensor(rows, device=self.device)
+        logits = logits[idx]
         for j in range(k):
-            drafts[:, j] = logits.argmax(-1)  # greedy rows; verification ignores q for them
-            for i, row in enumerate(rows):
-                if row.temperature != 0.0:
-                    q = (logits[i] / row.temperature).softmax(-1)
+            step = logits.argmax(-1)  # greedy rows; verification ignores q for them
+            for n, i in enumerate(rows):
+                s = states.sampling[i]
+                if s is not None and s.temperature != 0.0:
+                    q = (logits[n] / s.temperature).softmax(-1)
                     gen = torch.Generator(device=self.device).manual_seed(
-                        draw_seed(row.seed ^ DRAFT_SALT, lengths[i] + j))
-                    drafts[i, j] = (q / torch.empty_like(q).exponential_(generator=gen)).argmax()
+                        draw_seed(s.seed ^ DRAFT_SALT, states.seq_lens[i] + j))
+                    step[n] = (q / torch.empty_like(q).exponential_(generator=gen)).argmax()
                     probs[i, j] = q
+            drafts[idx, j] = step
             if j + 1 < k:
-                meta = build_metadata([(lengths[i] + j, 1, row.block_ids) for i, row in enumerate(rows)],
-                                      self.block_size, self.device)
-                logits = self.model.logits(self.model(drafts[:, j], self.kv, meta))
+                meta = self.attention.prepare([(states.seq_lens[i] + j, 1, states.block_tables[i]) for i in rows])
+                logits = self.model.logits(self.model(step, self.kv, meta))
+        for i in rows:
+            self.slots[states.slots[i]].drafted_end = states.seq_lens[i] + k - 1
         return Drafts(drafts, probs)
 
     @torch.inference_mode()
-    def sync(self, rows: list[ProposeRow]) -> None:
-        self._catch_up(rows)
-
-    def release(self, req_id: str) -> None:
-        self.history.release(req_id)
-        self.computed.pop(req_id, None)
+    def sync(self, states: TargetStates) -> None:
+        self._catch_up(states)

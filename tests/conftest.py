@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -87,12 +88,15 @@ def run_to_completion(core, prompts: list[list[int]], params, prefix: str = "r")
     """Adds every prompt to an in-process core and steps it until all finish; outputs in order."""
     from speckernel.messages import AddRequest
 
-    outputs: dict[str, list[int]] = {}
+    base = next(_KEYS) * 10_000  # keys are unique per request for the core's lifetime
+    outputs: dict[int, list[int]] = {}
     for i, ids in enumerate(prompts):
-        rid = f"{prefix}{i}"
-        outputs[rid] = []
-        assert core.add_request(AddRequest(rid, np.asarray(ids), params)) is None
+        outputs[base + i] = []
+        assert core.add_request(AddRequest(base + i, np.asarray(ids), params, f"{prefix}{i}")) is None
     while core.scheduler.requests:
         for delta in core.step():
-            outputs[delta.req_id].extend(delta.new_token_ids)
-    return [outputs[f"{prefix}{i}"] for i in range(len(prompts))]
+            outputs[delta.key].extend(delta.new_token_ids)
+    return [outputs[base + i] for i in range(len(prompts))]
+
+
+_KEYS = itertools.count(1)

@@ -112,7 +112,7 @@ async def test_bad_input_gets_typed_errors_and_engine_keeps_serving() -> None:
             client.tx.send_multipart([b"\x93not msgpack"])  # type: ignore[union-attr]
             client.tx.send_multipart([b"\xc1"])  # type: ignore[union-attr]
             # The core validates again, whatever the frontend let through.
-            client.send(AddRequest("raw", __import__("numpy").array([1, 2]), SamplingParams(temperature=-5.0)))  # type: ignore[union-attr]
+            client.send(AddRequest(10**9, __import__("numpy").array([1, 2]), SamplingParams(temperature=-5.0)))  # type: ignore[union-attr]
         assert box == [expected]
         assert await collect(engine, PROMPTS[0], GREEDY) == expected
 

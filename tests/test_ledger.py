@@ -1,165 +1,303 @@
-"""The frame ledger: output lands on exactly the request state of the frame that produced it."""
+"""The frame ledger: output lands on exactly the request state of the frame that produced it.
+
+The state machines drive Scheduler + Ledger + BlockManager through random add / schedule /
+apply / abort / preempt interleavings, with and without speculation (fixed and variable width,
+lookahead slots, K=0 steps), sync and async, and check every scheduled row and every apply
+against the model-free oracle in `ledger_oracle.py`.
+"""
 
 from __future__ import annotations
 
-import itertools
+import random
+from collections import Counter
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from speckernel.block_manager import BlockManager
-from speckernel.frame import RowResult, StepFrame, StepResult
+from speckernel.frame import RowResult, ScheduledRow, StepFrame, StepResult
 from speckernel.ledger import Ledger, LedgerError
 from speckernel.request import Request, Status
 from speckernel.sampling_params import SamplingParams
-from speckernel.scheduler import Scheduler
+from speckernel.scheduler import Scheduler, SpecPolicy
 
-NUM_BLOCKS = 24
+pytest.register_assert_rewrite("tests.ledger_oracle")
+from .ledger_oracle import EOS, Harness, Pick  # noqa: E402
+
+
+def drawing(data: st.DataObject) -> Pick:
+    """Random choices from hypothesis, so that failures shrink."""
+    return lambda lo, hi: data.draw(st.integers(lo, hi))
 
 
 class LedgerMachine(RuleBasedStateMachine):
-    """Random add / schedule / apply (any frame in flight) / abort / preempt interleavings,
-    up to four frames in flight, checked against an independent record of every token."""
+    """Random interleavings, up to three frames in flight, every row and apply checked by the oracle."""
 
+    width: str | None = None
+    """None: no speculator; 'fixed' or 'variable' draft width."""
     async_scheduling = False
 
     def __init__(self) -> None:
         super().__init__()
-        self.sched = Scheduler(BlockManager(NUM_BLOCKS, 4), max_num_seqs=4, max_num_batched_tokens=12,
-                               async_scheduling=self.async_scheduling)
-        self.ledger = Ledger(self.sched)
-        self.in_flight: list[StepFrame] = []
-        self.ids = itertools.count()
-        self.tokens = itertools.count(10_000)
-        self.origin: dict[int, tuple[int, str, int]] = {}  # token → (step_id, req_id, generation)
-        self.expected: dict[str, list[int]] = {}
-        self.reqs: dict[str, Request] = {}
+        self.h: Harness
 
-    @rule(prompt_len=st.integers(1, 14), max_tokens=st.integers(1, 6), reuse=st.booleans())
-    def add(self, prompt_len: int, max_tokens: int, reuse: bool) -> None:
-        finished = [rid for rid, r in self.reqs.items() if r.status is Status.FINISHED]
-        rid = finished[0] if reuse and finished else f"r{next(self.ids)}"
-        req = Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), 0, (), 10_000)
-        self.reqs[rid] = req
-        self.expected[rid] = []
-        self.sched.add(req)
+    @initialize(k=st.integers(1, 3), lookahead=st.integers(0, 3), skip=st.booleans(), seqs=st.integers(2, 4),
+                budget=st.integers(4, 16), blocks=st.integers(8, 20))
+    def setup(self, k: int, lookahead: int, skip: bool, seqs: int, budget: int, blocks: int) -> None:
+        policy = None
+        if self.width is not None:
+            policy = SpecPolicy(num_speculative_tokens=k, lookahead_slots=lookahead,
+                                variable_width=self.width == "variable", skip_drafts=skip)
+        self.h = Harness(policy, self.async_scheduling, num_blocks=blocks, max_num_seqs=seqs,
+                         max_num_batched_tokens=budget)
 
-    @precondition(lambda self: len(self.in_flight) < 4)
+    @rule(data=st.data(), n=st.integers(1, 4))
+    def add(self, data: st.DataObject, n: int) -> None:
+        for _ in range(n):
+            self.h.add(drawing(data))
+
+    @rule(data=st.data(), n=st.integers(1, 12))
+    def run(self, data: st.DataObject, n: int) -> None:
+        """Several schedule / apply steps in a row, so that requests get far enough to draft,
+        verify and finish within a short example."""
+        pick = drawing(data)
+        for _ in range(n):
+            if self.h.in_flight and (not self.h.can_schedule() or pick(0, 1)):
+                self.h.apply(pick)
+            elif self.h.can_schedule():
+                self.h.schedule()
+            self.h.check()
+
+    @precondition(lambda self: self.h.can_schedule())
     @rule()
     def schedule(self) -> None:
-        frame = self.sched.schedule()
-        if frame is not None:
-            self.ledger.submit(frame)
-            self.in_flight.append(frame)
+        self.h.schedule()
 
-    def ready(self) -> list[int]:
-        """Frames that may complete now: per request, frames complete in step order (one runner,
-        or a pipeline); across requests, in any order."""
-        ready = []
-        for i, frame in enumerate(self.in_flight):
-            ids = {r.req_id for r in frame.rows}
-            if not any(f.step_id < frame.step_id and ids & {r.req_id for r in f.rows} for f in self.in_flight):
-                ready.append(i)
-        return ready
-
-    @precondition(lambda self: self.in_flight)
+    @precondition(lambda self: self.h.in_flight)
     @rule(data=st.data())
     def apply(self, data: st.DataObject) -> None:
-        frame = self.in_flight.pop(data.draw(st.sampled_from(self.ready())))
-        rows = []
-        for row in frame.rows:
-            sampled = []
-            if row.sampling is not None:
-                token = next(self.tokens)
-                self.origin[token] = (frame.step_id, row.req_id, row.generation)
-                sampled = [token]
-            rows.append(RowResult(row.req_id, row.generation, sampled))
-            live = self.sched.requests.get(row.req_id)
-            if live is not None and live.generation == row.generation:
-                self.expected[row.req_id].extend(sampled)
-        self.ledger.apply(StepResult(frame.step_id, rows))
+        self.h.apply(drawing(data))
 
-    @precondition(lambda self: self.sched.requests)
+    @rule(data=st.data())
+    def drain(self, data: st.DataObject) -> None:
+        self.h.drain(drawing(data))
+
+    @precondition(lambda self: self.h.sched.requests)
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
-        self.sched.finish(self.sched.requests[rid], "abort")
+        self.h.abort(drawing(data))
 
-    @precondition(lambda self: self.sched.running)
+    @precondition(lambda self: self.h.sched.running)
     @rule(data=st.data())
     def preempt(self, data: st.DataObject) -> None:
-        self.sched.preempt(data.draw(st.sampled_from(self.sched.running)))
+        self.h.preempt(drawing(data))
 
     @invariant()
-    def output_came_from_own_frames_in_step_order(self) -> None:
-        for rid, req in self.reqs.items():
-            assert req.output_token_ids == self.expected[rid][: len(req.output_token_ids)]
-            steps = [self.origin[t][0] for t in req.output_token_ids]
-            assert steps == sorted(steps) and len(set(steps)) == len(steps)
-            assert all(self.origin[t][1] == rid for t in req.output_token_ids)
-            if req.status is not Status.FINISHED:
-                assert req.output_token_ids == self.expected[rid]
-            assert len(req.output_token_ids) <= req.params.max_tokens
-
-    @invariant()
-    def in_flight_counts_match_frames(self) -> None:
-        for rid, req in self.sched.requests.items():
-            rows = sum(1 for f in self.in_flight for r in f.rows if (r.req_id, r.generation) == (rid, req.generation))
-            assert req.in_flight == rows
-
-    @invariant()
-    def placeholders_match_sampling_rows_in_flight(self) -> None:
-        for rid, req in self.sched.requests.items():
-            rows = [r for f in self.in_flight for r in f.rows if (r.req_id, r.generation) == (rid, req.generation)]
-            assert req.num_placeholders == sum(r.sampling is not None for r in rows)
-            assert req.in_flight <= (2 if self.async_scheduling else 1)
-
-    @invariant()
-    def blocks_are_conserved(self) -> None:
-        held = [b for r in self.sched.requests.values() for b in r.block_ids]
-        assert len(held) == len(set(held))
-        assert len(held) + self.sched.blocks.num_free == NUM_BLOCKS
-        for req in self.reqs.values():
-            if req.status is Status.FINISHED:
-                assert req.block_ids == []
+    def matches_the_oracle(self) -> None:
+        self.h.check()
 
 
 class AsyncLedgerMachine(LedgerMachine):
-    """The same, with async scheduling: decode requests run ahead on placeholder inputs."""
-
     async_scheduling = True
 
-    @invariant()
-    def async_rows_happen(self) -> None:
-        for frame in self.in_flight:
-            for row in frame.rows:
-                if row.num_placeholder_inputs:
-                    assert row.token_ids == [] and row.sampling is not None
+
+class FixedLedgerMachine(LedgerMachine):
+    width = "fixed"
 
 
-for machine in (LedgerMachine, AsyncLedgerMachine):
-    machine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+class AsyncFixedLedgerMachine(LedgerMachine):
+    width, async_scheduling = "fixed", True
+
+
+class VariableLedgerMachine(LedgerMachine):
+    width = "variable"
+
+
+class AsyncVariableLedgerMachine(LedgerMachine):
+    width, async_scheduling = "variable", True
+
+
+MACHINES = (LedgerMachine, AsyncLedgerMachine, FixedLedgerMachine, AsyncFixedLedgerMachine,
+            VariableLedgerMachine, AsyncVariableLedgerMachine)
+for machine in MACHINES:
+    machine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
 TestLedgerMachine = LedgerMachine.TestCase
 TestAsyncLedgerMachine = AsyncLedgerMachine.TestCase
+TestFixedLedgerMachine = FixedLedgerMachine.TestCase
+TestAsyncFixedLedgerMachine = AsyncFixedLedgerMachine.TestCase
+TestVariableLedgerMachine = VariableLedgerMachine.TestCase
+TestAsyncVariableLedgerMachine = AsyncVariableLedgerMachine.TestCase
+
+
+# --- a seeded walk: the same checks, and proof that the harness reaches every case ---------------
+
+WALK_CASES = [(None, False), (None, True), ("fixed", False), ("fixed", True), ("variable", False),
+              ("variable", True)]
+
+
+def walk(width: str | None, async_scheduling: bool, seed: int, steps: int = 1200) -> Counter[str]:
+    """Six kernels of random shape, driven with a seeded RNG and drained; returns the oracle's tallies."""
+    rng = random.Random(seed)
+    stats: Counter[str] = Counter()
+    for _ in range(6):
+        policy = None
+        if width is not None:
+            policy = SpecPolicy(num_speculative_tokens=rng.randint(1, 3), lookahead_slots=rng.randint(0, 3),
+                                variable_width=width == "variable", skip_drafts=rng.random() < 0.8)
+        h = Harness(policy, async_scheduling, num_blocks=rng.randint(8, 12), max_num_seqs=rng.randint(3, 4),
+                    max_num_batched_tokens=rng.randint(4, 16))
+        for _ in range(steps // 6):
+            action = rng.choices(["add", "schedule", "apply", "abort", "preempt"], [3, 10, 10, 0.5, 0.5])[0]
+            if action == "add":
+                h.add(rng.randint)
+            elif action == "schedule" and h.can_schedule():
+                h.schedule()
+            elif action == "apply" and h.in_flight:
+                h.apply(rng.randint)
+            elif action == "abort" and h.sched.requests:
+                h.abort(rng.randint)
+            elif action == "preempt" and h.sched.running:
+                h.preempt(rng.randint)
+            h.check()
+        h.drain(rng.randint)
+        stats += h.stats
+    return stats
+
+
+@pytest.mark.parametrize(("width", "async_scheduling"), WALK_CASES)
+def test_seeded_walk_reaches_every_case(width: str | None, async_scheduling: bool) -> None:
+    """The state machines prove nothing about a case the harness cannot produce: a seeded walk
+    with the same oracle must meet each one."""
+    stats = walk(width, async_scheduling, seed=1234)
+    wanted = ["finish_stop", "finish_length", "finish_error", "finish_abort", "context_boundary", "preempted",
+              "preempted_by_scheduler", "slot_reused", "stale_rows", "prefill_chunks"]
+    if async_scheduling and width is None:
+        wanted += ["placeholder_rows", "two_in_flight"]
+    if width is not None:
+        wanted += ["rows_with_drafts", "accept_none", "accept_some", "accept_all", "eos_inside_drafts",
+                   "stop_token_inside_drafts", "length_after_accepted_drafts", "k0_frames", "drafts_trimmed"]
+    missing = [w for w in wanted if not stats[w]]
+    assert not missing, f"never reached: {missing} ({dict(stats)})"
+
+
+# --- targeted cases -------------------------------------------------------------------------------
+
+
+def make(key: int, prompt: list[int], max_tokens: int, max_total: int = 100) -> Request:
+    return Request(key, prompt, SamplingParams(max_tokens=max_tokens), 0, (EOS,), max_total)
+
+
+def spec_kernel(k: int = 3, variable: bool = False) -> tuple[Scheduler, Ledger]:
+    sched = Scheduler(BlockManager(32, 4), 4, 32,
+                      SpecPolicy(num_speculative_tokens=k, lookahead_slots=k, variable_width=variable))
+    return sched, Ledger(sched)
+
+
+def step(sched: Scheduler, ledger: Ledger, rows: list[RowResult] | None = None, **kw: object) -> StepFrame:
+    frame = sched.schedule()
+    assert frame is not None
+    ledger.submit(frame)
+    if rows is not None:
+        ledger.apply(StepResult(frame.step_id, rows, **kw))  # type: ignore[arg-type]
+    return frame
+
+
+def test_rollback_resumes_right_after_the_last_accepted_draft() -> None:
+    sched, ledger = spec_kernel()
+    req = make(1, [11, 12, 13, 14], max_tokens=20)
+    sched.add(req)
+    prefill = step(sched, ledger)
+    g = prefill.rows[0].generation
+    ledger.apply(StepResult(prefill.step_id, [RowResult(1, g, [100], num_next_drafts=3)]))
+    verify = step(sched, ledger)
+    (row,) = verify.rows
+    assert (row.start_pos, row.token_ids, row.num_draft_slots, row.prev_step_id) == (4, [100], 3, prefill.step_id)
+    # Drafts 101, 102, 103 sat at positions 5, 6, 7: accept one, reject two, sample 200.
+    ledger.apply(StepResult(verify.step_id, [RowResult(1, g, [101, 200], 3, 1, num_next_drafts=3)]))
+    assert req.output_token_ids == [100, 101, 200] and req.num_computed_tokens == 6
+    (row,) = step(sched, ledger).rows
+    assert (row.start_pos, row.token_ids, row.num_draft_slots) == (6, [200], 3)
+
+
+def test_eos_inside_accepted_drafts_ends_the_request_there() -> None:
+    sched, ledger = spec_kernel(variable=True)
+    req = make(1, [11, 12], max_tokens=20)
+    sched.add(req)
+    first = step(sched, ledger)
+    g = first.rows[0].generation
+    ledger.apply(StepResult(first.step_id, [RowResult(1, g, [100], next_draft_ids=[101, EOS, 103])]))
+    verify = step(sched, ledger)
+    assert verify.rows[0].draft_token_ids == [101, EOS, 103]
+    deltas = ledger.apply(StepResult(verify.step_id, [RowResult(1, g, [101, EOS, 103, 104], 3, 3)]))
+    assert req.output_token_ids == [100, 101, EOS] and req.finish_reason == "stop"
+    assert [(d.new_token_ids, d.finish_reason) for d in deltas] == [([101, EOS], "stop")]
+    assert req.slot == -1 and sched.free_slots and sched.blocks.num_free == 32
+
+
+def test_max_tokens_inside_accepted_drafts_truncates() -> None:
+    """The scheduler never verifies drafts past max_tokens (the machines check that); should a
+    frame do so anyway, the ledger still stops at max_tokens. The frame is built by hand."""
+    sched, ledger = spec_kernel()
+    req = make(1, [11, 12], max_tokens=3)
+    sched.add(req)
+    first = step(sched, ledger)
+    g = first.rows[0].generation
+    ledger.apply(StepResult(first.step_id, [RowResult(1, g, [100], num_next_drafts=3)]))
+    row = ScheduledRow(1, g, req.slot, 2, [100], list(req.block_ids), first.rows[0].sampling, num_draft_slots=3)
+    req.in_flight, req.num_placeholders, req.num_computed_tokens = 1, 1, 6  # what scheduling it would set
+    ledger.submit(StepFrame(sched.next_step_id, [row]))
+    deltas = ledger.apply(StepResult(sched.next_step_id, [RowResult(1, g, [101, 102, 103, 104], 3, 3)]))
+    assert req.output_token_ids == [100, 101, 102] and req.finish_reason == "length"
+    assert [(d.new_token_ids, d.finish_reason) for d in deltas] == [([101, 102], "length")]
+
+
+def test_k0_step_proposes_nothing_and_the_request_finishes() -> None:
+    sched, ledger = spec_kernel()
+    req = make(1, [11, 12], max_tokens=2)
+    sched.add(req)
+    first = step(sched, ledger)
+    assert not first.skip_drafts
+    g = first.rows[0].generation
+    ledger.apply(StepResult(first.step_id, [RowResult(1, g, [100], num_next_drafts=3)]))
+    last = step(sched, ledger)  # one token left: the 3 drafts could never count, none are proposed
+    assert last.skip_drafts and last.rows[0].num_draft_slots == 0 and req.num_draft_slots == 0
+    ledger.apply(StepResult(last.step_id, [RowResult(1, g, [101])], k0=True))
+    assert req.finish_reason == "length" and ledger.num_k0_steps == 1
+
+
+def test_failing_row_fails_only_its_request() -> None:
+    sched, ledger = spec_kernel()
+    a, b = make(1, [11, 12], 5), make(2, [13, 14], 5)
+    sched.add(a)
+    sched.add(b)
+    frame = step(sched, ledger)
+    ga, gb = (r.generation for r in frame.rows)
+    deltas = ledger.apply(StepResult(frame.step_id, [RowResult(1, ga, [], error="boom"),
+                                                     RowResult(2, gb, [100], num_next_drafts=3)]))
+    assert [(d.key, d.finish_reason, d.error) for d in deltas] == [(1, "error", "boom"), (2, None, None)]
+    assert a.status is Status.FINISHED and a.finish_reason == "error" and a.slot == -1
+    assert b.status is Status.RUNNING and b.output_token_ids == [100] and b.num_draft_slots == 3
 
 
 def test_async_machine_really_overlaps() -> None:
     """The async machine must exercise placeholder rows, or it proves nothing new."""
     sched = Scheduler(BlockManager(16, 4), 4, 16, async_scheduling=True)
-    sched.add(Request("a", [1, 2, 3], SamplingParams(max_tokens=5), 0, (), 100))
+    sched.add(make(1, [1, 2, 3], max_tokens=5))
     first = sched.schedule()
     second = sched.schedule()
     assert first is not None and second is not None
-    assert second.rows[0].num_placeholder_inputs == 1 and second.rows[0].start_pos == 3
+    row = second.rows[0]
+    assert (row.num_placeholder_inputs, row.start_pos, row.prev_step_id) == (1, 3, first.step_id)
     assert sched.schedule() is None  # at most one frame ahead
 
 
 def one_frame_in_flight() -> tuple[Scheduler, Ledger, StepFrame]:
     sched = Scheduler(BlockManager(8, 4), 4, 16)
     ledger = Ledger(sched)
-    sched.add(Request("a", [1, 2], SamplingParams(max_tokens=3), 0, (), 100))
+    sched.add(make(1, [1, 2], max_tokens=3))
     frame = sched.schedule()
     assert frame is not None
     ledger.submit(frame)
@@ -168,7 +306,7 @@ def one_frame_in_flight() -> tuple[Scheduler, Ledger, StepFrame]:
 
 def test_result_for_a_frame_not_in_flight_is_rejected() -> None:
     sched, ledger, frame = one_frame_in_flight()
-    result = StepResult(frame.step_id, [RowResult("a", frame.rows[0].generation, [5])])
+    result = StepResult(frame.step_id, [RowResult(1, frame.rows[0].generation, [5])])
     ledger.apply(result)
     with pytest.raises(LedgerError):
         ledger.apply(result)
@@ -176,13 +314,15 @@ def test_result_for_a_frame_not_in_flight_is_rejected() -> None:
     assert frame is not None
     ledger.submit(frame)
     with pytest.raises(LedgerError, match="do not match"):
-        ledger.apply(StepResult(frame.step_id, [RowResult("a", 10**6, [5])]))
+        ledger.apply(StepResult(frame.step_id, [RowResult(1, 10**6, [5])]))
 
 
-def test_stale_rows_are_discarded_after_abort_and_id_reuse() -> None:
+def test_stale_row_never_lands_on_the_next_owner_of_its_slot() -> None:
     sched, ledger, frame = one_frame_in_flight()
-    sched.finish(sched.requests["a"], "abort")
-    reused = Request("a", [3, 4], SamplingParams(max_tokens=3), 0, (), 100)
-    sched.add(reused)  # same id, new request: the old frame's row must not land on it
-    assert ledger.apply(StepResult(frame.step_id, [RowResult("a", frame.rows[0].generation, [5])])) == []
-    assert reused.output_token_ids == [] and ledger.num_stale_rows == 1
+    sched.finish(sched.requests[1], "abort")
+    successor = make(2, [3, 4], max_tokens=3)
+    sched.add(successor)
+    (row,) = step(sched, ledger).rows
+    assert row.slot == frame.rows[0].slot  # the slot is reused at once
+    assert ledger.apply(StepResult(frame.step_id, [RowResult(1, frame.rows[0].generation, [5])])) == []
+    assert successor.output_token_ids == [] and ledger.num_stale_rows == 1

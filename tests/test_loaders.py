@@ -13,6 +13,7 @@ from speckernel.model_runner import ModelRunner
 from speckernel.models.config import ModelConfig, RopeScaling
 from speckernel.models.loader import load_model, unpermute_qk
 from speckernel.models.rope import inv_frequencies
+from speckernel.platforms.cpu import CpuPlatform
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -20,8 +21,10 @@ SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_l
 
 def logits_of(folder: Path, ids: list[int]) -> torch.Tensor:
     model = load_model(folder, torch.float32, torch.device("cpu"), 256)
-    runner = ModelRunner(model, torch.device("cpu"), num_blocks=8, block_size=16)
-    frame = StepFrame(0, [ScheduledRow("x", 0, 0, ids, list(range(8))[::-1], None)])
+    attention = CpuPlatform().attention_backend(block_size=16, max_tokens=256)
+    runner = ModelRunner(model, torch.device("cpu"), num_blocks=8, block_size=16, attention=attention,
+                         num_slots=1, max_model_len=128)
+    frame = StepFrame(0, [ScheduledRow(0, 0, 0, 0, ids, list(range(8))[::-1], None)])
     return runner.prompt_logits(frame)
 
 

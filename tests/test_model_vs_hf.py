@@ -20,7 +20,7 @@ def our_logits(core, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped
     n_blocks = blocks.blocks_needed(len(ids))
     block_ids = [blocks.free_blocks.popleft() for _ in range(n_blocks)]
     try:
-        frame = StepFrame(0, [ScheduledRow("x", 0, 0, ids, block_ids, None)])
+        frame = StepFrame(0, [ScheduledRow(0, 0, 0, 0, ids, block_ids, None)])
         return core.runner.prompt_logits(frame)
     finally:
         blocks.free_blocks.extend(block_ids)

@@ -51,6 +51,17 @@ def test_third_party_speculator_is_discovered_and_conforms(example_site: Path) -
     assert report["lossless_greedy"] and report["k0_syncs"] == 0 and report["num_host_draft_copies"] == 0
 
 
+def test_declared_hidden_states_and_target_handles_reach_the_speculator(example_site: Path) -> None:
+    """hidden_probe asserts on every step that it got exactly layers (2, 15, 29), the target's
+    handles, and a layer-29 output that predicts the token the target sampled; any miss fails
+    its rows and so the lossless check."""
+    proc = run_with(example_site, "import json; from speckernel.testing import check_speculator; "
+                                  "print(json.dumps(check_speculator('hidden_probe', max_tokens=12)))")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["lossless_greedy"] and report["k0_syncs"] > 0
+
+
 def test_capability_the_target_cannot_serve_is_refused_at_start(example_site: Path) -> None:
     code = ("from speckernel.engine_core import EngineCore; from speckernel.config import EngineConfig\n"
             "try:\n    EngineCore(EngineConfig(platform='cpu', max_model_len=128, speculator='needs_hidden'))\n"

@@ -13,13 +13,13 @@ from speckernel.scheduler import Scheduler
 from .conftest import PROMPTS, run_to_completion
 
 
-def make(req_id: str, n_prompt: int, max_tokens: int = 8) -> Request:
-    return Request(req_id, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens), 0, (), 10_000)
+def make(key: int, n_prompt: int, max_tokens: int = 8) -> Request:
+    return Request(key, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens), 0, (), 10_000)
 
 
 def test_chunked_prefill_respects_token_budget_and_samples_only_at_the_end() -> None:
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10)
-    req = make("a", 23)
+    req = make(1, 23)
     sched.add(req)
     chunks = []
     while req.num_computed_tokens < 23:
@@ -36,22 +36,22 @@ def test_chunked_prefill_respects_token_budget_and_samples_only_at_the_end() -> 
 def test_max_num_seqs_caps_running_requests() -> None:
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
     for i in range(4):
-        sched.add(make(f"r{i}", 3))
+        sched.add(make(i, 3))
     frame = sched.schedule()
-    assert frame is not None and [r.req_id for r in frame.rows] == ["r0", "r1"]
+    assert frame is not None and [r.key for r in frame.rows] == [0, 1]
     assert len(sched.waiting) == 2
 
 
 def test_request_with_frame_in_flight_is_not_scheduled_again() -> None:
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=100)
-    sched.add(make("a", 3))
+    sched.add(make(1, 3))
     assert sched.schedule() is not None
     assert sched.schedule() is None
 
 
 def test_preemption_frees_blocks_and_bumps_generation() -> None:
     sched = Scheduler(BlockManager(4, 4), max_num_seqs=4, max_num_batched_tokens=100)
-    a, b = make("a", 8), make("b", 7)
+    a, b = make(1, 8), make(2, 7)
     sched.add(a)
     sched.add(b)
     frame = sched.schedule()
@@ -60,19 +60,19 @@ def test_preemption_frees_blocks_and_bumps_generation() -> None:
     b_generation = b.generation
     a.output_token_ids.append(99)  # a needs a third block for its next token: b is preempted
     frame = sched.schedule()
-    assert frame is not None and [r.req_id for r in frame.rows] == ["a"]
+    assert frame is not None and [r.key for r in frame.rows] == [1]
     assert b.status is Status.WAITING and b.generation > b_generation and b.num_computed_tokens == 0
     assert b.block_ids == [] and sched.waiting[0] is b and sched.num_preemptions == 1
 
 
 def test_finish_returns_blocks_and_forgets_request() -> None:
     sched = Scheduler(BlockManager(8, 4), max_num_seqs=4, max_num_batched_tokens=100)
-    req = make("a", 9)
+    req = make(1, 9)
     sched.add(req)
     sched.schedule()
     generation = req.generation
     sched.finish(req, "abort")
-    assert sched.blocks.num_free == 8 and "a" not in sched.requests and req.generation > generation
+    assert sched.blocks.num_free == 8 and 1 not in sched.requests and req.generation > generation
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ def test_skip_drafts_both_directions(states, budget: int, max_total: int) -> Non
         emitted = min(emitted, max_tokens - 1)
         if prompt_len + emitted >= max_total:
             continue
-        req = Request(f"r{i}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), 0,
+        req = Request(i, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), 0,
                       (99_999,), max_total)
         req.output_token_ids = list(range(emitted))
         sched.add(req)
@@ -52,16 +52,16 @@ def test_skip_drafts_both_directions(states, budget: int, max_total: int) -> Non
     if frame is None:
         return
     usable = [r for r in frame.rows
-              if r.sampling is not None and could_verify_later(sched.requests[r.req_id])]
+              if r.sampling is not None and could_verify_later(sched.requests[r.key])]
     assert frame.skip_drafts == (not usable)
     for row in frame.rows:
         if row.sampling is None:  # a non-final prefill chunk proposes nothing a step could use
-            assert row.start_pos + len(row.token_ids) < sched.requests[row.req_id].num_tokens
+            assert row.start_pos + len(row.token_ids) < sched.requests[row.key].num_tokens
 
 
 def test_no_skip_switch_never_skips() -> None:
     sched = Scheduler(BlockManager(64, 4), 4, 4, SpecPolicy(num_speculative_tokens=2, lookahead_slots=2,
                                                              variable_width=False, skip_drafts=False))
-    sched.add(Request("a", list(range(1, 20)), SamplingParams(max_tokens=1), 0, (), 100))
+    sched.add(Request(1, list(range(1, 20)), SamplingParams(max_tokens=1), 0, (), 100))
     frame = sched.schedule()
     assert frame is not None and not frame.skip_drafts

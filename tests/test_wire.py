@@ -17,24 +17,24 @@ from speckernel.transports.zmq import ZmqTransport
 def test_frontend_messages_round_trip_with_out_of_band_arrays() -> None:
     enc, dec = Encoder(), Decoder(FrontendMessage)
     big = np.arange(1000, dtype=np.int64)
-    msg = AddRequest("r1", big, SamplingParams(max_tokens=5, temperature=0.5, stop=("x",)))
+    msg = AddRequest(1, big, SamplingParams(max_tokens=5, temperature=0.5, stop=("x",)))
     frames = enc.encode(msg)
     assert len(frames) == 2 and frames[1].nbytes == big.nbytes  # the array left the payload
     got = dec.decode(frames)
     assert isinstance(got, AddRequest) and got.params == msg.params
     assert np.array_equal(got.prompt_token_ids, big)
-    small = AddRequest("r2", np.arange(4), SamplingParams())
+    small = AddRequest(2, np.arange(4), SamplingParams())
     assert len(enc.encode(small)) == 1 and small.prompt_token_ids.nbytes <= INLINE_MAX_BYTES
-    for other in (AbortRequests(["a", "b"]), UtilityCall(3, "stats")):
+    for other in (AbortRequests([1, 2]), UtilityCall(3, "stats")):
         assert dec.decode(enc.encode(other)) == other
 
 
 def test_core_outputs_round_trip() -> None:
-    msg = CoreOutputs([RequestDelta("a", [1, 2], None), RequestDelta("b", [], "error", "boom")])
+    msg = CoreOutputs([RequestDelta(1, [1, 2], None), RequestDelta(2, [], "error", "boom")])
     assert Decoder(CoreOutputs).decode(Encoder().encode(msg)) == msg
 
 
-MALFORMED = [[b""], [b"\xc1"], [b"\x92\xa3Bad\x01"], [msgspec.msgpack.encode(["AddRequest", "r", ["<i8", [3], 1], []])]]
+MALFORMED = [[b""], [b"\xc1"], [b"\x92\xa3Bad\x01"], [msgspec.msgpack.encode(["AddRequest", 7, ["<i8", [3], 1], []])]]
 
 
 @pytest.mark.parametrize("frames", MALFORMED)

@@ -1,47 +1,19 @@
 """Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2/3 shapes) over a paged KV cache.
 
-Weights use fused projections (qkv, gate_up) so a layer is few kernels. Attention writes the
-step's new K/V into the cache slots the block manager assigned, then attends over the gathered
-context slots of every sequence at once with a block-diagonal causal mask.
+Weights use fused projections (qkv, gate_up) so a layer is few kernels. Attention itself (the
+cache write and the paged read) is the job of the backend that made the step's metadata
+(`speckernel.attention`): the model does not know which one runs.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention import AttentionMetadata
 from .config import ModelConfig
 from .rope import apply_rope, cos_sin_table
-
-
-@dataclass
-class AttentionGroup:
-    """Sequences attended together, padded to a common query and context length."""
-
-    q_index: torch.Tensor
-    """[R, Q] index into the step's tokens of each (padded) query."""
-    k_slots: torch.Tensor
-    """[R, L] flat cache slots of each sequence's context (padded)."""
-    mask: torch.Tensor
-    """[R, Q, L] True where a query may attend a context slot."""
-    valid: torch.Tensor
-    """[R, Q] True for real (not padding) queries."""
-    out_index: torch.Tensor
-    """[T_group] step token index of each real query, in `valid` order."""
-
-
-@dataclass
-class AttentionMetadata:
-    positions: torch.Tensor
-    """[T] position of each new token."""
-    slot_mapping: torch.Tensor
-    """[T] flat cache slot where each new token's K/V is written."""
-    groups: list[AttentionGroup]
-    """Decode-like rows share one padded group; each long prefill chunk is a group of its own,
-    so attention costs what the sequences need, not (all queries) x (all contexts)."""
 
 
 class RMSNorm(nn.Module):
@@ -81,20 +53,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin).to(x.dtype), apply_rope(k, cos, sin).to(x.dtype)
-        k_cache, v_cache = kv[0], kv[1]
-        k_cache[meta.slot_mapping] = k
-        v_cache[meta.slot_mapping] = v
-        out = torch.empty_like(q)
-        for g in meta.groups:
-            attended = F.scaled_dot_product_attention(
-                q[g.q_index].transpose(1, 2),
-                k_cache[g.k_slots].transpose(1, 2),
-                v_cache[g.k_slots].transpose(1, 2),
-                attn_mask=g.mask[:, None],
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            out[g.out_index] = attended.transpose(1, 2)[g.valid]
+        out = meta.backend.forward(q, k, v, kv, meta, self.scale)
         return self.o(out.reshape(t, self.nh * self.hd))
 
 
@@ -136,11 +95,24 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Returns the final-norm hidden states [T, H]; kv_cache is [layers, 2, slots, kv_heads, head_dim]."""
+        return self.forward_with_hidden(input_ids, kv_cache, meta, ())[0]
+
+    def forward_with_hidden(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                            layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The final-norm hidden states [T, H] and, for each index in `layers`, the residual stream
+        [T, H] right after that layer (before the final norm). Only those layers are kept, so a
+        speculator that reads two layers costs two tensors, not one per layer."""
+        bad = [i for i in layers if not 0 <= i < len(self.layers)]
+        if bad:
+            raise IndexError(f"layers {bad} out of range: the model has {len(self.layers)}")
         x = self.embed(input_ids)
         cos, sin = self.cos[meta.positions], self.sin[meta.positions]
+        captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[i], meta)
-        return self.norm(x)
+            if i in layers:
+                captured[i] = x
+        return self.norm(x), captured
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight

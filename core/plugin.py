@@ -1,0 +1,207 @@
+"""The one module a speculator plugin imports: the speculator contract (v2) and its helpers.
+
+A speculator is a class registered under the `speckernel.speculators` entry point. It declares
+a frozen `SpeculatorCapabilities` and an `Options` struct; the kernel derives everything else
+from them (host copy of draft IDs or not, K=0 steps, KV slots and draft-KV memory to reserve).
+
+The runner calls the speculator for every row of every step, non-final prefill chunks
+included, with a `TargetStates`: `propose` when at least one row samples and the step may
+draft, `sync` otherwise (the K=0 pass). Everything a speculator knows about a request's tokens
+it reads from the kernel's token buffer; it keeps no copy of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+
+import msgspec
+import torch
+
+from .attention import AttentionBackend, AttentionMetadata
+from .errors import InvalidInputError
+from .frame import RowSampling
+from .models.builtin import resolve as resolve_model
+from .models.config import ModelConfig
+from .models.llama import LlamaModel
+from .models.loader import load_model, read_config
+from .models.paged import new_kv_cache
+from .sampler import draw_seed
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "Drafts",
+    "InvalidInputError",
+    "LlamaModel",
+    "ModelConfig",
+    "NoOptions",
+    "RowSampling",
+    "Speculator",
+    "SpeculatorBase",
+    "SpeculatorCapabilities",
+    "SpeculatorContext",
+    "TargetModel",
+    "TargetStates",
+    "draw_seed",
+    "load_model",
+    "new_kv_cache",
+    "read_config",
+    "resolve_model",
+]
+
+
+class SpeculatorCapabilities(msgspec.Struct, frozen=True, kw_only=True):
+    draft_width: Literal["fixed", "variable"]
+    """fixed: always K drafts, the host needs only the count; variable: a -1 suffix ends the
+    drafts and the real IDs must reach the host."""
+    supports_k0: bool
+    """Can run a sync-only pass (keep its state in step) without drafting."""
+    max_k: int
+    lookahead_slots_per_draft: int = 0
+    """KV slots written beyond the verified query, per draft token."""
+    target_hidden_layers: tuple[int, ...] = ()
+    """Target layers whose output (the residual stream after the layer) it reads; captured
+    only for these."""
+    uses_target_kv: bool = False
+    """Reads the target's KV rows (handed over in `TargetStates.target`)."""
+    uses_target_weights: bool = False
+    """Reads the target's embedding, final norm and head (`TargetStates.target`)."""
+    placement: Literal["local_last_stage", "remote"] = "local_last_stage"
+    sampled_drafts: bool = False
+    """Drafts are sampled from a distribution q that verification must see (draft_probs)."""
+
+    def lookahead_slots(self, k: int) -> int:
+        return self.lookahead_slots_per_draft * k
+
+
+class NoOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Options struct of a speculator that takes none."""
+
+
+@dataclass(frozen=True)
+class SpeculatorContext:
+    """What the kernel hands a speculator at start: `check` and `draft_kv_bytes_per_token`
+    see it before the KV cache exists (num_kv_blocks 0, draft_kv None)."""
+
+    target: ModelConfig
+    target_path: Path
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+    num_speculative_tokens: int
+    """K as configured (the frame carries the K of each step)."""
+    options: Any
+    """An instance of the speculator's `Options` struct, validated by the kernel."""
+    draft_model: str | None = None
+    """A checkpoint for speculators that run their own model."""
+    attention: AttentionBackend | None = None
+    """A backend of the speculator's own (its metadata never clobbers the target's)."""
+    num_kv_blocks: int = 0
+    draft_kv: torch.Tensor | None = None
+    """Flat uint8 buffer of num_kv_blocks * block_size * draft_kv_bytes_per_token bytes, carved
+    from the same budget as the target's KV cache and indexed by the target's block tables."""
+
+
+@dataclass(frozen=True)
+class TargetModel:
+    """Handles to the target, for speculators that declare they use them."""
+
+    config: ModelConfig
+    embed: torch.nn.Module | None
+    norm: torch.nn.Module | None
+    head: Any
+    """hidden [N, H] -> float32 logits [N, V]."""
+    kv_cache: torch.Tensor | None
+    """[layers, 2, slots, kv_heads, head_dim]; slot = block_id * block_size + offset."""
+
+
+@dataclass(frozen=True)
+class TargetStates:
+    """One step as the target saw it: every row, in frame order."""
+
+    tokens: torch.Tensor
+    """The token buffer [slots, width] (read only). Row i's confirmed tokens are
+    tokens[slots[i], :seq_lens[i]]; after `propose` the kernel writes the drafts right after."""
+    slots: list[int]
+    slot_index: torch.Tensor
+    """[R] int64 on the device: the same slots."""
+    generations: list[int]
+    """A slot whose generation changed belongs to a new request: drop what was kept for it."""
+    start_pos: list[int]
+    """Position of each row's first query token."""
+    query_start: list[int]
+    """[R + 1] offsets of each row's query in the step's flattened tokens."""
+    positions: torch.Tensor
+    """[T] position of each query token."""
+    num_drafts: list[int]
+    """Drafts the step verified per row (they sit at the end of the row's query)."""
+    accepted: torch.Tensor
+    """[R] int64 on the device: drafts accepted per row (0 for rows without drafts)."""
+    seq_lens: list[int]
+    """Confirmed tokens per row after this step. For a row that sampled, the newest token sits
+    at seq_lens[i] - 1 and its target KV is not written yet; for a prefill chunk, seq_lens[i]
+    is the end of the chunk."""
+    samples: list[bool]
+    """Rows that sampled a token: only their drafts can be verified later."""
+    sampling: list[RowSampling | None]
+    block_tables: list[list[int]]
+    hidden: dict[int, torch.Tensor]
+    """Layer -> [T, H] output of the declared target layers, for the step's query tokens."""
+    target: TargetModel | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.slots)
+
+
+@dataclass
+class Drafts:
+    token_ids: torch.Tensor
+    """[rows, K] int64 on the device, one row per TargetStates row (rows that did not sample
+    are ignored); -1 ends a variable-width row."""
+    probs: torch.Tensor | None = None
+    """[rows, K, vocab] draft distribution q, when capabilities.sampled_drafts."""
+
+
+@runtime_checkable
+class Speculator(Protocol):
+    name: ClassVar[str]
+    capabilities: ClassVar[SpeculatorCapabilities]
+    Options: ClassVar[type[msgspec.Struct]]
+    """Its options, built by the kernel from `--speculator-option KEY=VALUE` strings."""
+
+    def __init__(self, ctx: SpeculatorContext) -> None: ...
+
+    @classmethod
+    def check(cls, ctx: SpeculatorContext) -> None:
+        """Raises InvalidInputError when this target, platform or these options cannot be
+        served. The kernel calls it before any weight is read."""
+        ...
+
+    @classmethod
+    def draft_kv_bytes_per_token(cls, ctx: SpeculatorContext) -> int:
+        """Bytes of draft KV per token position (0: none); the kernel allocates them."""
+        ...
+
+    def propose(self, states: TargetStates, k: int) -> Drafts: ...
+
+    def sync(self, states: TargetStates) -> None:
+        """The K=0 pass: keep internal state in step without drafting."""
+        ...
+
+
+class SpeculatorBase:
+    """Defaults for the optional parts of the contract; subclassing it is optional."""
+
+    Options: ClassVar[type[msgspec.Struct]] = NoOptions
+
+    @classmethod
+    def check(cls, ctx: SpeculatorContext) -> None:
+        return None
+
+    @classmethod
+    def draft_kv_bytes_per_token(cls, ctx: SpeculatorContext) -> int:
+        return 0
