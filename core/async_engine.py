@@ -29,7 +29,7 @@ import anyio.to_thread
 import numpy as np
 from anyio.streams.memory import MemoryObjectSendStream
 
-from . import errors, log, plugins
+from . import errors, plugins
 from .config import EngineConfig
 from .core_client import CoreClient, InprocClient, ProcessClient
 from .detokenizer import IncrementalDetokenizer
@@ -85,7 +85,6 @@ class AsyncEngine:
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def __aenter__(self) -> AsyncEngine:
-        log.configure(self.config.log_level)
         # Unknown names fail here, before a process is spawned or a weight is read.
         if self.config.platform is not None:
             plugins.load("platform", self.config.platform)
@@ -191,6 +190,8 @@ class AsyncEngine:
             raise errors.PromptTooLongError(
                 f"prompt has {len(prompt_ids)} tokens; the context holds {self.info.max_model_len} "
                 "(prompt plus at least one generated token)")
+        if request_id is not None and not isinstance(request_id, str):
+            raise errors.InvalidInputError(f"request_id: expected a str, got {request_id!r}")
         req_id = request_id or uuid.uuid4().hex
         if req_id in self._live_ids:
             raise errors.InvalidInputError(f"request id {req_id!r} is already running")

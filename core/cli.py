@@ -10,11 +10,13 @@ import argparse
 import json
 import sys
 import time
+from importlib.metadata import version
 from typing import Any
 
 import anyio
 import msgspec
 
+from . import log
 from .errors import InvalidInputError, SpeckernelError
 
 EXIT_BAD_INPUT = 2
@@ -46,6 +48,7 @@ def sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speckernel", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"speckernel {version('speckernel')}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a completion for one prompt, streamed")
     gen.add_argument("--prompt", required=True)
@@ -178,6 +181,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    log.configure(getattr(args, "log_level", "warning"))
     try:
         if args.command == "plugins":
             return cmd_plugins(args)

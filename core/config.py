@@ -21,7 +21,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Overrides kv_cache_bytes with an exact block count (tests use it to force preemption)."""
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    seed: int = 0
+    seed: int | None = None
+    """Seeds drawn for requests that bring none. None: fresh randomness on every start (two
+    runs give different text); an int makes unseeded requests repeat across runs."""
     in_process: bool = False
     """Run the engine core inside the caller's event loop instead of its own process."""
     startup_timeout_s: float = 300.0

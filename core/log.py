@@ -1,4 +1,10 @@
-"""structlog set-up shared by the frontend and the engine-core process."""
+"""structlog key-value events through the standard `logging` tree, under the `speckernel` logger.
+
+The library never configures logging on its own and never writes to stdout: an embedder's
+logging (or structlog) set-up stays as it is, and speckernel's events follow it like any
+library's (warnings and errors reach stderr through Python's last-resort handler). The CLI and
+the engine-core process call `configure` to show events at a level on stderr.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +13,31 @@ import sys
 
 import structlog
 
+ROOT = "speckernel"
+_PROCESSORS: list[structlog.typing.Processor] = [
+    structlog.processors.add_log_level,
+    structlog.processors.TimeStamper(fmt="iso"),
+    structlog.processors.KeyValueRenderer(key_order=["timestamp", "level", "event"]),
+]
+
+
+class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Ours, so configuring twice replaces it instead of adding a second one."""
+
 
 def configure(level: str = "warning") -> None:
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info,
-            structlog.processors.KeyValueRenderer(key_order=["timestamp", "level", "event"]),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping().get(level.upper(), logging.WARNING)
-        ),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,
-    )
+    """Shows speckernel's events at `level` and above on stderr (the CLI, the core process)."""
+    logger = logging.getLogger(ROOT)
+    logger.setLevel(logging.getLevelNamesMapping().get(level.upper(), logging.WARNING))
+    for handler in [h for h in logger.handlers if isinstance(h, _Handler)]:
+        logger.removeHandler(handler)
+    handler = _Handler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False
 
 
-def get(name: str) -> structlog.typing.FilteringBoundLogger:
-    return structlog.get_logger(component=name)
+def get(name: str) -> structlog.stdlib.BoundLogger:
+    logger: structlog.stdlib.BoundLogger = structlog.wrap_logger(
+        logging.getLogger(f"{ROOT}.{name}"), processors=_PROCESSORS, wrapper_class=structlog.stdlib.BoundLogger)
+    return logger.bind(component=name)

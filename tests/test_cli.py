@@ -113,3 +113,11 @@ def test_bench_accept_writes_json_table_and_plot(tmp_path) -> None:  # type: ign
     table = (tmp_path / "accept.md").read_text()
     assert "| ngram |" in table and report["command"] in table
     assert (tmp_path / "accept.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
+
+
+def test_version_and_python_dash_m() -> None:
+    from speckernel import __version__
+
+    proc = subprocess.run([sys.executable, "-m", "speckernel", "--version"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"speckernel {__version__}", proc.stderr

@@ -167,3 +167,14 @@ def test_context_length_boundary_with_drafts(speculator, prompts) -> None:  # ty
         assert len(ids) + len(out) == 40
     if speculator is not None:
         assert got == run_to_completion(core_for(None, max_model_len=40), prompts, params)
+
+
+def test_unseeded_requests_draw_fresh_randomness_on_every_start(prompts) -> None:  # type: ignore[no-untyped-def]
+    """Two starts give unseeded requests different seeds (once every start used seed 0, so the
+    "random" text was the same every run); an engine seed makes them repeat."""
+    def seed_of(core: EngineCore) -> int:
+        assert core.add_request(AddRequest(1, np.asarray(prompts[0]), SamplingParams(max_tokens=2))) is None
+        return core.scheduler.requests[1].seed
+
+    assert seed_of(core_for(None, max_model_len=64)) != seed_of(core_for(None, max_model_len=64))
+    assert seed_of(core_for(None, max_model_len=64, seed=5)) == seed_of(core_for(None, max_model_len=64, seed=5))

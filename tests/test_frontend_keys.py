@@ -196,6 +196,15 @@ async def test_live_id_is_rejected_and_free_again_once_done(scripted: type[Scrip
         assert engine._requests == {} and engine._live_ids == {}
 
 
+async def test_a_request_id_that_is_not_a_str_is_refused_at_once(scripted: type[ScriptedCore]) -> None:
+    """An int id once reached the core, which could not decode the request: the caller waited
+    forever. Now the frontend refuses it, and nothing was sent."""
+    async with AsyncEngine(EngineConfig(in_process=True)) as engine:
+        with pytest.raises(InvalidInputError, match="request_id: expected a str, got 5"):
+            await engine.generate(NEW, GREEDY8, request_id=5).__anext__()  # type: ignore[arg-type]
+        assert scripted.instances[0].keys_added() == []
+
+
 async def test_abort_ends_the_stream_with_an_abort_output(scripted: type[ScriptedCore]) -> None:
     async with AsyncEngine(EngineConfig(in_process=True)) as engine:
         outs: list[RequestOutput] = []

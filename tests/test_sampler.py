@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -70,3 +71,26 @@ def test_invalid_sampling_params_are_rejected_with_the_field_named(params: Sampl
         params.validate(vocab_size=1000)
     field = str(info.value).split(":")[0]
     assert field in SamplingParams.__struct_fields__
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_tokens", True), ("max_tokens", 2**70), ("max_tokens", 3.0), ("top_k", True), ("seed", True),
+     ("seed", 1.5), ("seed", 2**63), ("temperature", "0.5"), ("temperature", True), ("top_p", "1"),
+     ("stop", (123,)), ("stop", "abc"), ("stop_token_ids", (1.0,)), ("stop_token_ids", (True,)),
+     ("ignore_eos", 1)],
+)
+def test_values_the_core_could_not_decode_are_rejected_up_front(field: str, value: object) -> None:
+    """Each of these once passed validate() and then hung the caller: the core could not
+    decode the request and dropped it."""
+    with pytest.raises(InvalidSamplingParamsError, match=f"^{field}: expected"):
+        SamplingParams(**{field: value}).validate(vocab_size=1000)  # type: ignore[arg-type]
+
+
+def test_validate_returns_exact_types_and_treats_a_tiny_temperature_as_greedy() -> None:
+    got = SamplingParams(seed=np.int64(7), max_tokens=np.int32(5), temperature=np.float32(0.5),  # type: ignore[arg-type]
+                         stop=["x"], stop_token_ids=[np.int64(3)]).validate(vocab_size=1000)  # type: ignore[arg-type]
+    assert got == SamplingParams(seed=7, max_tokens=5, temperature=0.5, stop=("x",), stop_token_ids=(3,))
+    assert type(got.seed) is int and type(got.max_tokens) is int and type(got.temperature) is float
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(got), type=SamplingParams) == got
+    assert SamplingParams(temperature=1e-45).validate().temperature == 0.0
