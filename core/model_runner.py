@@ -36,7 +36,6 @@ class ModelRunner:
                  speculator: Speculator | None = None, max_k: int = 0, use_triton: bool = False) -> None:
         self.model = model
         self.device = device
-        self.block_size = block_size
         self.attention = attention
         self.kv_cache = new_kv_cache(model.cfg, num_blocks, block_size, model.embed.weight.dtype, device)
         self.speculator = speculator

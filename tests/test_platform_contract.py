@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from speckernel.attention import SHORT_QUERY, AttentionBackend, AttentionMetadata, TorchPagedAttention
+from speckernel.attention import SHORT_QUERY, AttentionMetadata, TorchPagedAttention
 from speckernel.models.config import ModelConfig
 from speckernel.models.llama import LlamaModel
-from speckernel.models.paged import build_metadata, new_kv_cache
+from speckernel.models.paged import new_kv_cache
 from speckernel.platform import GraphCaptureUnsupportedError, Platform, PlatformCapabilities
 from speckernel.platforms.accelerator import TorchAcceleratorPlatform
 from speckernel.platforms.ascend import AscendPlatform
@@ -112,14 +112,6 @@ def test_positions_and_slots_live_in_one_persistent_buffer_that_grows() -> None:
     assert again.slot_mapping.tolist() == [32]
 
 
-def test_build_metadata_wrapper_and_platform_backend_agree() -> None:
-    chunks = [(3, 2, [4, 1]), (0, SHORT_QUERY + 1, [0, 2, 3, 5, 6])]
-    ours = CpuPlatform().attention_backend(BLOCK, 4).prepare(chunks)
-    theirs = build_metadata(chunks, BLOCK, CPU)
-    assert isinstance(ours.backend, AttentionBackend) and isinstance(theirs.backend, TorchPagedAttention)
-    assert torch.equal(ours.positions, theirs.positions) and torch.equal(ours.slot_mapping, theirs.slot_mapping)
-
-
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=NH, num_kv_heads=NKV,
                    head_dim=HD, max_position=64)
 
@@ -161,10 +153,13 @@ def test_forward_with_hidden_returns_exactly_the_layers_asked() -> None:
     assert not torch.equal(model.norm(outputs[TINY.num_layers - 1]), outputs[TINY.num_layers - 1])
     assert torch.equal(final, model.norm(outputs[TINY.num_layers - 1])), "final hidden is after the norm"
 
-    assert torch.equal(model(ids, fresh_cache(), build_metadata(CHUNKS, BLOCK, CPU)), final)
-    assert model.forward_with_hidden(ids, fresh_cache(), build_metadata(CHUNKS, BLOCK, CPU), ())[1] == {}
+    def meta() -> AttentionMetadata:
+        return TorchPagedAttention(BLOCK, 8, CPU).prepare(CHUNKS)
+
+    assert torch.equal(model(ids, fresh_cache(), meta()), final)
+    assert model.forward_with_hidden(ids, fresh_cache(), meta(), ())[1] == {}
     with pytest.raises(IndexError, match="out of range"):
-        model.forward_with_hidden(ids, fresh_cache(), build_metadata(CHUNKS, BLOCK, CPU), (TINY.num_layers,))
+        model.forward_with_hidden(ids, fresh_cache(), meta(), (TINY.num_layers,))
 
 
 def test_cpu_gate_holds_work_until_open() -> None:

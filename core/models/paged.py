@@ -2,21 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from ..attention import AttentionMetadata, TorchPagedAttention
 from .config import ModelConfig
-
-
-def build_metadata(
-    chunks: Sequence[tuple[int, int, Sequence[int]]], block_size: int, device: torch.device
-) -> AttentionMetadata:
-    """One-off metadata from a fresh TorchPagedAttention, for callers not yet holding a backend
-    of their own (`Platform.attention_backend`): it allocates its buffers on every call."""
-    backend = TorchPagedAttention(block_size, sum(n for _, n, _ in chunks), device)
-    return backend.prepare(chunks)
 
 
 def new_kv_cache(model_cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
