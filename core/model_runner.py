@@ -116,13 +116,15 @@ class ModelRunner:
         tokens: dict[int, list[int]] = {}
         accepted_host = [0] * len(rows)
         accepted = torch.zeros(len(rows), dtype=torch.int64, device=self.device)
+        # Rows that sample, and their slots, as device indices made once for the whole step.
+        idx = torch.tensor(sampling_idx, dtype=torch.int64, device=self.device)
+        sample_slots = slot_index[idx]
         if sampling_idx:
-            out, nacc = self._sample(frame, hidden, query_start, sampling_idx, slot_index)
-            idx = torch.tensor(sampling_idx, device=self.device)
+            out, nacc = self._sample(frame, hidden, query_start, sampling_idx, sample_slots)
             accepted[idx] = nacc
             # Confirmed tokens land right after each row's last verified input (-1 past the end).
             first = torch.tensor([starts[i] + lens[i] - num_drafts[i] for i in sampling_idx], device=self.device)
-            self.pool.write(slot_index[idx], first, out)
+            self.pool.write(sample_slots, first, out)
             host_out, host_nacc = out.tolist(), nacc.tolist()
             for j, i in enumerate(sampling_idx):
                 tokens[i] = [t for t in host_out[j] if t >= 0]
@@ -140,13 +142,13 @@ class ModelRunner:
                 accepted=accepted, seq_lens=[int(n) for n in seq_lens], samples=[i in tokens for i in range(len(rows))],
                 sampling=[r.sampling for r in rows], block_tables=[r.block_ids for r in rows],
                 hidden=captured, target=self.target)
-            k0, copies = self._speculate(frame, states, result_rows, sampling_idx)
+            k0, copies = self._speculate(frame, states, result_rows, sampling_idx, idx, sample_slots)
         for r in rows:
             self.pool.completed(r.slot, r.generation, frame.step_id)
         return StepResult(frame.step_id, result_rows, k0=k0, num_host_draft_copies=copies)
 
     def _sample(self, frame: StepFrame, hidden: torch.Tensor, query_start: np.ndarray, sampling_idx: list[int],
-                slot_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                sample_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [S, K+1] -1 padded, accepted [S]) for the rows that sample."""
         rows = frame.rows
         sampling = [rows[i].sampling for i in sampling_idx]
@@ -165,16 +167,15 @@ class ModelRunner:
             p0 = rows[i].start_pos + rows[i].num_tokens - d
             draft_pos.append([p0 + j if j < d else -1 for j in range(k)])
         dpos = torch.tensor(draft_pos, device=self.device)
-        sel = slot_index[torch.tensor(sampling_idx, device=self.device)]
-        draft_ids = torch.where(dpos >= 0, self.pool.tokens[sel[:, None], dpos.clamp(min=0)], -1)
+        draft_ids = torch.where(dpos >= 0, self.pool.tokens[sample_slots[:, None], dpos.clamp(min=0)], -1)
         probs = None
         if self.draft_probs is not None:
-            probs = self.draft_probs[sel, :k]
+            probs = self.draft_probs[sample_slots, :k]
         logits = self.model.logits(hidden[torch.tensor(positions, device=self.device)])
         return verify(logits, draft_ids, sampling, probs, use_triton=self.use_triton)  # type: ignore[arg-type]
 
     def _speculate(self, frame: StepFrame, states: TargetStates, rows: list[RowResult],
-                   sampling_idx: list[int]) -> tuple[bool, int]:
+                   sampling_idx: list[int], idx: torch.Tensor, sample_slots: torch.Tensor) -> tuple[bool, int]:
         """Runs the speculator's pass over every row; returns (k0, host draft copies)."""
         assert self.speculator is not None
         spec = self.speculator
@@ -185,12 +186,11 @@ class ModelRunner:
         drafts = spec.propose(states, k)
         if frame.skip_drafts:  # the speculator cannot skip drafting: its drafts are dropped
             return True, 0
-        idx = torch.tensor(sampling_idx, device=self.device)
         ids = drafts.token_ids[idx]
         start = torch.tensor([states.seq_lens[i] for i in sampling_idx], device=self.device)
-        self.pool.write(states.slot_index[idx], start, ids)
+        self.pool.write(sample_slots, start, ids)
         if self.draft_probs is not None and drafts.probs is not None:
-            self.draft_probs[states.slot_index[idx], :k] = drafts.probs[idx].float()
+            self.draft_probs[sample_slots, :k] = drafts.probs[idx].float()
         if not frame.host_drafts:
             for i in sampling_idx:
                 rows[i] = msgspec.structs.replace(rows[i], num_next_drafts=k)

@@ -67,7 +67,6 @@ class FailFor:
 
     def __init__(self, core: EngineCore, victim: int, when: Any = lambda row: True) -> None:
         self.victim, self.when, self.inner = victim, when, core.runner._execute
-        self.results: list[StepResult] = []
         core.runner._execute = self  # type: ignore[method-assign]
 
     def __call__(self, frame: StepFrame) -> StepResult:
