@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# One GPU run: check the CUDA path, run the GPU-side tests, measure acceptance on HumanEval.
+# One GPU run: check the CUDA path, run the GPU-side tests, then the benchmark scenarios (scale,
+# decode with the HF transformers peers, hostsync, prefill, accept in each of $DTYPES), and last
+# a short summary table of all of them (summary.md).
 # Optional: $MODEL (the default GGUF) and $HUMANEVAL (HumanEval.jsonl.gz) for machines without
-# PyPI; $DTYPES (default "float32 bfloat16"). Writes at most 8 files under $1 (default ./gpu-out).
+# PyPI; $DTYPES (default "float32 bfloat16"; empty: no accept runs); $PART_TIMEOUT (seconds per
+# scenario, default 240); $WORK (where the parts go, default $1/parts); PACK=1 also packs the parts
+# into $1/results.tar.gz after each one (for runners that fetch few files: point WORK elsewhere);
+# $PARTS (default: all) names the scenarios to run, e.g. "decode decode_hf".
+# Writes under $1 (default ./gpu-out): the parts (cuda_checks.txt, one folder per scenario) and summary.md.
 set -uo pipefail
 out=${1:-gpu-out}
 mkdir -p "$out"
@@ -9,19 +15,102 @@ export SPECKERNEL_CACHE=${SPECKERNEL_CACHE:-$HOME/skcache} PYTHONUNBUFFERED=1
 mkdir -p "$SPECKERNEL_CACHE/models"
 [ -n "${MODEL:-}" ] && cp "$MODEL" "$SPECKERNEL_CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 [ -n "${HUMANEVAL:-}" ] && cp "$HUMANEVAL" "$SPECKERNEL_CACHE/models/HumanEval.jsonl.gz"
+dtypes=${DTYPES-float32 bfloat16}
+# Each part runs under its own time limit and is packed as soon as it ends, so a run cut short
+# still returns every part that finished (results.tar.gz, with at most 8 files under $out).
+limit=${PART_TIMEOUT:-240}
+work=${WORK:-$out/parts}
+mkdir -p "$work"
+timings=()
+pack() {
+  if [ -n "${PACK:-}" ]; then tar -czf "$out/results.tar.gz" -C "$work" . ; fi
+}
+bench() {  # bench NAME ARGS...: one scenario into $work/NAME, its table's tail on the console
+  local name=$1 started=$SECONDS
+  shift
+  case " ${PARTS:-$name} " in *" $name "*) ;; *) return ;; esac
+  echo "== bench $name $*"
+  timeout "$limit" python3 -m speckernel.cli bench "$@" --out "$work/$name" 2>&1 | tail -n 12
+  timings+=("$name $(( SECONDS - started ))")
+  pack
+}
+started=$SECONDS
 {
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  for spec in none ngram draft_model; do
-    extra=(); [ "$spec" != none ] && extra=(--speculator "$spec" --num-speculative-tokens 4)
-    echo "== generate, cuda, speculator=$spec"
-    python3 -m speckernel.cli generate --raw --prompt "The three primary colors are" --max-tokens 48 \
-      --temperature 0 --json --platform cuda "${extra[@]}"
-  done
-  echo "== GPU-side tests (Triton kernels for real, attention seam, graphs, host gate)"
-  python3 -m pytest -q tests/test_verify.py tests/test_sampler.py tests/test_platform_contract.py \
-    -p no:cacheprovider 2>&1 | tail -5
-} > "$out/cuda_checks.txt" 2>&1
-for dtype in ${DTYPES:-float32 bfloat16}; do
-  python3 -m speckernel.cli bench accept --platform cuda --dtype "$dtype" --max-tokens 256 \
-    --out "$out/accept_$dtype" 2>&1 | tail -8
+  echo "== generate, cuda, no speculation"
+  timeout 120 python3 -m speckernel.cli generate --raw --prompt "The three primary colors are" --max-tokens 48 \
+    --temperature 0 --json --platform cuda
+  echo "== GPU-side tests (Triton kernels for real, graphs vs eager, no host sync, sampling, verification)"
+  timeout 300 python3 -m pytest -q tests/test_gpu_fast_path.py tests/test_step_graphs.py \
+    tests/test_platform_contract.py ${GPU_TESTS:-} -p no:cacheprovider 2>&1 | tail -40
+} > "$work/cuda_checks.txt" 2>&1
+timings+=("cuda_checks $(( SECONDS - started ))")
+tail -5 "$work/cuda_checks.txt"
+pack
+bench decode decode --platform cuda --dtype bfloat16 --max-tokens 256 --num-prompts 10 --concurrency 1,4,16,64 \
+  --speculator ngram --no-hf
+bench scale scale --platform cuda
+bench decode_hf decode --platform cuda --dtype bfloat16 --max-tokens 128 --num-prompts 4 --concurrency 1 \
+  --speculator ngram
+bench hostsync hostsync --platform cuda --max-tokens 128 --num-prompts 4 --concurrency 1,16
+bench prefill prefill --platform cuda --speculator ngram --prompt-tokens 1200 --num-prompts 16 --concurrency 1,16
+for dtype in $dtypes; do
+  bench "accept_$dtype" accept --platform cuda --dtype "$dtype" --max-tokens 256
 done
+python3 - "$work" "${timings[@]}" <<'EOF' > "$out/summary.md"
+"""The few figures each scenario is for, from the JSON files just written."""
+import json
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+
+
+def load(name):
+    path = out / name / f"{name.split('_')[0]}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def f(x, spec=".2f"):
+    return "–" if x is None else format(x, spec)
+
+
+rows = []
+if (r := load("scale")):
+    for m in r["models"]:
+        rows.append(("scale", m["model"], f"step {m['step_p50_ms']:.2f} ms, floor {m['floor_ms']:.2f} ms "
+                     f"({m['step_over_floor']:.1f}x) at {r['copy_bandwidth_gb_s']:.0f} GB/s"))
+for r in (load("decode"), load("decode_hf")):
+    if not r:
+        continue
+    for run in r["runs"]:
+        vs = ", ".join(f"{f(v)}x {p}" for p, v in run["ratio_to_peers"].items())
+        rows.append(("decode", f"{run['speculator']} c={run['concurrency']}",
+                     f"{run['tokens_per_s']:.0f} tok/s, TPOT p50 {f(run['tpot_p50_ms'])} ms, "
+                     f"{f(run['ratio_to_none'])}x none" + (f"; {vs}" if vs else "")))
+    for name, p in r["peers"].items():
+        rows.append(("decode", name, f"{p['tokens_per_s']:.0f} tok/s, setup {p['setup_s']:.0f} s, "
+                     f"identical {p['identical_to_engine']}/{p['num_requests']}"))
+if (r := load("hostsync")):
+    for run in r["runs"]:
+        rows.append(("hostsync", f"force_host_drafts={run['force_host_drafts']} c={run['concurrency']}",
+                     f"{run['steps_per_s']:.0f} steps/s, {run['spec']['num_host_draft_copies']} copies, "
+                     f"{f(run['ratio_to_host_copies'])}x"))
+if (r := load("prefill")):
+    for run in r["runs"]:
+        rows.append(("prefill", f"{run['speculator']} skip={run['skip_drafts']} c={run['concurrency']}",
+                     f"{run['prefill_tokens_per_s']:.0f} tok/s, K=0 steps {run['spec']['num_k0_steps']}, "
+                     f"{f(run['ratio_to_no_skip'])}x no skip"))
+for d in sorted(out.glob("accept_*")):
+    r = json.loads((d / "accept.json").read_text())
+    for name, run in r["runs"].items():
+        rows.append((d.name, name, f"mean acceptance length {run['spec']['mean_acceptance_length']:.2f}, "
+                     f"{run['tokens_per_s']:.0f} tok/s, identical {run['identical_to_no_speculation']}"))
+print("| scenario | run | figures |\n|---|---|---|")
+for row in rows:
+    print("| " + " | ".join(row) + " |")
+print("\nSeconds per part: " + ", ".join(sys.argv[2:]))
+EOF
+echo "== summary ($(( SECONDS - started )) s in all)"
+cat "$out/summary.md"
+pack

@@ -48,14 +48,32 @@ class AttentionGroup:
 
 @dataclass
 class AttentionMetadata:
-    """One step's attention plan, made by `backend.prepare` and valid until its next call."""
+    """One step's attention plan, made by `backend.prepare` and valid until its next call.
+
+    Every tensor is a view of the backend's one persistent device buffer, at offsets that
+    depend only on the padded sizes: a device graph captured on one step's metadata reads the
+    next step's numbers of the same sizes."""
 
     positions: torch.Tensor
-    """[T] position of each new token."""
+    """[T] position of each new token (0 for padding tokens)."""
     slot_mapping: torch.Tensor
-    """[T] flat cache slot where each new token's K/V is written."""
+    """[T] flat cache slot where each new token's K/V is written; -1 for padding tokens."""
+    token_rows: torch.Tensor
+    """[T] row of each token (padding tokens: the last row)."""
+    query_start: torch.Tensor
+    """[R + 1] offset of each row's first token; a padding row has none."""
+    seq_lens: torch.Tensor
+    """[R] context length of each row after this step (0 for padding rows)."""
+    block_tables: torch.Tensor
+    """[R, max_blocks] block ids of each row (0 past its table)."""
+    max_query_len: int
+    """Upper bound of any row's new tokens (sizes kernel grids)."""
     backend: AttentionBackend
     """The backend that made this metadata and runs attention from it."""
+    row_extra: torch.Tensor | None = None
+    """[R, E] int64 numbers the caller rode along on the same copy (the runner's per-row plan)."""
+    tail: torch.Tensor | None = None
+    """[N] int64 numbers the caller rode along after everything else (host-known tokens)."""
     groups: list[AttentionGroup] = field(default_factory=list)
     """TorchPagedAttention's plan: decode-like rows share one padded group; each long prefill
     chunk is a group of its own, so attention costs what the sequences need, not (all
@@ -64,8 +82,12 @@ class AttentionMetadata:
 
 @runtime_checkable
 class AttentionBackend(Protocol):
-    def prepare(self, chunks: Sequence[Chunk]) -> AttentionMetadata:
-        """chunks: (start_pos, num_new_tokens, block_ids) per sequence, in batch order."""
+    def prepare(self, chunks: Sequence[Chunk], *, num_tokens: int = 0, num_rows: int = 0,
+                row_extra: np.ndarray | None = None, tail: np.ndarray | None = None,
+                max_query_len: int = 0) -> AttentionMetadata:
+        """chunks: (start_pos, num_new_tokens, block_ids) per sequence, in batch order;
+        num_tokens / num_rows / max_query_len pad the step to those sizes (device graphs);
+        row_extra [rows, E] and tail [N] ride along on the same host-to-device copy."""
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
@@ -105,57 +127,162 @@ def _group(rows: list[tuple[int, int, int, np.ndarray]], block_size: int, device
                           out_index=dev(q_index[valid]), valid_flat=dev(np.flatnonzero(valid)))
 
 
-class TorchPagedAttention:
-    """Grouped SDPA over each sequence's gathered context slots: runs wherever torch runs.
+class PagedAttention:
+    """What every paged backend shares: the step's plan in one persistent device buffer.
 
-    `positions` and `slot_mapping` live in one persistent device buffer, so a step costs one
-    host-to-device copy for both, with no allocation. The next `prepare` overwrites them:
-    prepare() and forward() of consecutive steps must be issued in order on one stream (one
-    thread on the CPU), where a step's metadata is consumed before the next is written. A
-    second model (a drafter) takes a backend of its own, so its prepare() never clobbers the
-    target's metadata mid-step.
+    A step costs one host-to-device copy, with no device allocation: the host packs positions,
+    slots, token rows, query offsets, context lengths, block tables and the caller's extras in
+    one staging array. The next `prepare` overwrites them: prepare() and forward() of
+    consecutive steps must be issued in order on one stream (one thread on the CPU), where a
+    step's metadata is consumed before the next is written. A second model (a drafter) takes a
+    backend of its own, so its prepare() never clobbers the target's metadata mid-step.
 
-    With `pin_host`, each step stages its numbers in pinned memory from torch's caching host
-    allocator and copies without blocking. The staging is not one persistent host buffer on
-    purpose: the host may prepare step N+1 while step N's copy still waits in the stream
-    (behind a host gate, say), and the caching allocator never hands a pinned block out again
-    before the copy that read it has run, where rewriting one buffer would race with it.
+    With `pin_host`, each step stages its numbers in one of a ring of pinned host buffers and
+    copies without blocking. The host prepares step N+1 while step N (and its copy) may still
+    wait in the stream, so a staging buffer is rewritten only after the event recorded behind
+    its last copy has passed: with STAGING_RING buffers and at most two steps in flight, that
+    wait is over before it starts.
+
+    `max_blocks` fixes the width of the block tables (so offsets depend only on the padded
+    token and row counts, as device graphs need); 0 sizes them to each step's longest table.
     """
 
-    def __init__(self, block_size: int, max_tokens: int, device: torch.device, pin_host: bool = False) -> None:
+    supports_padding = True
+    """Padding tokens (slot -1) are skipped by forward()."""
+    STAGING_RING = 4
+
+    def __init__(self, block_size: int, max_tokens: int, device: torch.device, pin_host: bool = False,
+                 max_rows: int = 1, max_blocks: int = 0) -> None:
         self.block_size = block_size
         self.device = device
         self.pin_host = pin_host
-        self.buffer = torch.empty(2 * max(1, max_tokens), dtype=torch.int64, device=device)
-        """positions[:T] then slot_mapping[T:2T] of the latest step; grows (doubling) for a bigger one."""
+        self.max_blocks = max_blocks
+        rows = max(1, max_rows)
+        self.buffer = torch.empty(3 * max(1, max_tokens) + 2 * rows + 1 + rows * max(1, max_blocks),
+                                  dtype=torch.int64, device=device)
+        """The latest step's plan; grows (doubling) for a bigger one."""
+        self._ring: list[tuple[torch.Tensor, torch.Event | None]] = []
+        self._turn = 0
+
+    def _staging(self, total: int) -> torch.Tensor:
+        """A host array for `total` numbers that no pending copy still reads."""
+        if not self.pin_host:
+            return torch.empty(total, dtype=torch.int64)
+        self._turn = (self._turn + 1) % self.STAGING_RING
+        while len(self._ring) <= self._turn:
+            self._ring.append((torch.empty(0, dtype=torch.int64), None))
+        buffer, event = self._ring[self._turn]
+        if event is not None:
+            event.synchronize()
+        if buffer.numel() < total:
+            buffer = torch.empty(max(total, self.capacity), dtype=torch.int64, pin_memory=True)
+            self._ring[self._turn] = (buffer, None)
+        return buffer[:total]
+
+    def _copied(self) -> None:
+        """Records, behind the copy just issued, when this turn's staging is free again."""
+        if self.pin_host:
+            event = torch.Event(self.device)
+            event.record()
+            self._ring[self._turn] = (self._ring[self._turn][0], event)
 
     @property
     def capacity(self) -> int:
-        """Tokens a step may have before the buffer grows."""
-        return self.buffer.numel() // 2
+        """Elements a step's plan may take before the buffer grows."""
+        return self.buffer.numel()
 
-    def prepare(self, chunks: Sequence[Chunk]) -> AttentionMetadata:
-        num_tokens = sum(n for _, n, _ in chunks)
-        staging = torch.empty(2 * num_tokens, dtype=torch.int64, pin_memory=self.pin_host)
+    def reserve(self, num_tokens: int, num_rows: int, row_fields: int, tail: int) -> None:
+        """Grows the buffer now to fit any step up to these sizes, so it never moves later
+        (device graphs read it where it was when they were captured)."""
+        width = max(1, self.max_blocks)
+        need = 3 * num_tokens + (num_rows + 1) + num_rows * (1 + row_fields + width) + tail
+        if need > self.capacity:
+            self.buffer = torch.empty(need, dtype=torch.int64, device=self.device)
+
+    def prepare(self, chunks: Sequence[Chunk], *, num_tokens: int = 0, num_rows: int = 0,
+                row_extra: np.ndarray | None = None, tail: np.ndarray | None = None,
+                max_query_len: int = 0) -> AttentionMetadata:
+        lens = np.fromiter((n for _, n, _ in chunks), np.int64, len(chunks))
+        starts = np.fromiter((s for s, _, _ in chunks), np.int64, len(chunks))
+        real_t, real_r = int(lens.sum()), len(chunks)
+        t, r = max(num_tokens, real_t), max(num_rows, real_r)
+        if (t > real_t or r > real_r) and not self.supports_padding:
+            raise ValueError(f"{type(self).__name__} cannot pad a step")
+        width = self.max_blocks or max((len(b) for _, _, b in chunks), default=1) or 1
+        e = 0 if row_extra is None else row_extra.shape[1]
+        n_tail = 0 if tail is None else len(tail)
+        sizes = [t, t, t, r + 1, r, r * e, r * width, n_tail]
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        total = int(offsets[-1])
+        staging = self._staging(total)
         host = staging.numpy()
-        positions, slots = host[:num_tokens], host[num_tokens:]
+        positions, slots, token_rows, query_start, seq_lens, extra, tables, tail_view = (
+            host[offsets[i] : offsets[i + 1]] for i in range(len(sizes)))
+        query_start[0] = 0
+        np.cumsum(lens, out=query_start[1 : real_r + 1])
+        query_start[real_r + 1 :] = real_t
+        rows_of = np.repeat(np.arange(real_r), lens)
+        positions[:real_t] = np.arange(real_t) - query_start[rows_of] + starts[rows_of]
+        positions[real_t:] = 0
+        token_rows[:real_t] = rows_of
+        token_rows[real_t:] = r - 1
+        seq_lens[:real_r] = starts + lens
+        seq_lens[real_r:] = 0
+        table2d = tables.reshape(r, width)
+        table2d[:] = 0
+        for i, (_, _, block_ids) in enumerate(chunks):
+            table2d[i, : len(block_ids)] = block_ids
+        slots[:real_t] = (table2d[rows_of, positions[:real_t] // self.block_size] * self.block_size
+                          + positions[:real_t] % self.block_size)
+        slots[real_t:] = -1
+        if row_extra is not None:
+            extra.reshape(r, e)[:] = 0
+            extra.reshape(r, e)[: len(row_extra)] = row_extra
+        if tail is not None:
+            tail_view[:] = tail
+        if total > self.capacity:
+            self.buffer = torch.empty(max(total, 2 * self.capacity), dtype=torch.int64, device=self.device)
+        on_device = self.buffer[:total]
+        on_device.copy_(staging, non_blocking=self.pin_host)
+        self._copied()
+        views = [on_device[offsets[i] : offsets[i + 1]] for i in range(len(sizes))]
+        meta = AttentionMetadata(
+            positions=views[0], slot_mapping=views[1], token_rows=views[2], query_start=views[3],
+            seq_lens=views[4], block_tables=views[6].view(r, width),
+            max_query_len=max(int(lens.max(initial=0)), max_query_len),
+            backend=self, row_extra=views[5].view(r, e) if row_extra is not None else None,
+            tail=views[7] if tail is not None else None)
+        self.plan(meta, chunks, starts, lens, table2d)
+        return meta
+
+    def plan(self, meta: AttentionMetadata, chunks: Sequence[Chunk], starts: np.ndarray, lens: np.ndarray,
+             tables: np.ndarray) -> None:
+        """Backend-specific host planning on top of the shared buffer (none by default)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchPagedAttention(PagedAttention):
+    """Grouped SDPA over each sequence's gathered context slots: runs wherever torch runs.
+
+    Its groups are planned on the host (index and mask tensors per group), so it takes no
+    padding: device graphs run on a backend whose kernels read the block tables themselves."""
+
+    supports_padding = False
+
+    def plan(self, meta: AttentionMetadata, chunks: Sequence[Chunk], starts: np.ndarray, lens: np.ndarray,
+             tables: np.ndarray) -> None:
         short, long = [], []
         offset = 0
-        for start, n, block_ids in chunks:
-            table = np.asarray(block_ids, dtype=np.int64)
-            pos = positions[offset : offset + n]
-            pos[:] = np.arange(start, start + n)
-            slots[offset : offset + n] = cache_slots(table, pos, self.block_size)
-            (short if n <= SHORT_QUERY else long).append((offset, start, n, table))
+        for i, (start, n, block_ids) in enumerate(chunks):
+            row = (offset, start, n, tables[i, : len(block_ids)])
+            (short if n <= SHORT_QUERY else long).append(row)
             offset += n
-        if num_tokens > self.capacity:
-            self.buffer = torch.empty(2 * max(num_tokens, 2 * self.capacity), dtype=torch.int64, device=self.device)
-        on_device = self.buffer[: 2 * num_tokens]
-        on_device.copy_(staging, non_blocking=self.pin_host)
         groups = [_group(short, self.block_size, self.device)] if short else []
         groups += [_group([row], self.block_size, self.device) for row in long]
-        return AttentionMetadata(positions=on_device[:num_tokens], slot_mapping=on_device[num_tokens:],
-                                 backend=self, groups=groups)
+        meta.groups = groups
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -175,3 +302,18 @@ class TorchPagedAttention:
             r, nh, q_len, hd = attended.shape
             out[g.out_index] = attended.transpose(1, 2).reshape(r * q_len, nh, hd)[g.valid_flat]
         return out
+
+
+class TritonPagedAttention(PagedAttention):
+    """The project's Triton kernels: the cache write and a paged attention that reads only each
+    row's live KV through its block table, for decode, verification and prefill chunks alike.
+    Nothing is planned on the host beyond the shared buffer, so steps pad freely and a device
+    graph captured on one step replays for the next."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        from .triton_attention import paged_attention, write_kv
+
+        write_kv(k, v, kv, meta.slot_mapping)
+        return paged_attention(q, kv, meta.block_tables, meta.seq_lens, meta.query_start, meta.max_query_len,
+                               scale, self.block_size)

@@ -35,6 +35,8 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-skip-drafts", action="store_true", help="never run K=0 steps (for comparison)")
     p.add_argument("--speculator-option", action="append", default=[], metavar="KEY=VALUE",
                    help="speculator-specific option, e.g. num_layers=8 for draft_model (repeatable)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never replay captured device graphs (they are captured at start on CUDA)")
 
 
 def sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -75,7 +77,7 @@ def config_from(args: argparse.Namespace) -> Any:
                         max_model_len=args.max_model_len, in_process=args.in_process,
                         log_level=args.log_level, speculator=args.speculator,
                         num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
-                        skip_drafts=not args.no_skip_drafts,
+                        skip_drafts=not args.no_skip_drafts, enforce_eager=args.enforce_eager,
                         speculator_options=parse_options(args.speculator_option))
 
 

@@ -39,6 +39,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     async_scheduling: bool = True
     """Schedule step N+1 while step N runs (decode requests without speculation run ahead on
     a placeholder for the token step N samples)."""
+    enforce_eager: bool = False
+    """Never replay captured device graphs (they are captured at start where the platform
+    supports them and Triton kernels run)."""
+    force_host_drafts: bool = False
+    """Copy draft IDs to the host after every drafting step even when the speculator's fixed
+    width makes it unnecessary (benchmarks measure what avoiding the copy saves)."""
 
     def validate(self) -> EngineConfig:
         from .errors import InvalidInputError

@@ -37,7 +37,7 @@ from .messages import (
     UtilityCall,
     UtilityResult,
 )
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, PendingStep
 from .models.builtin import resolve
 from .models.config import ModelConfig
 from .models.loader import load_model, read_config
@@ -86,10 +86,26 @@ class EngineCore:
                 ctx, max_model_len=self.max_model_len, num_kv_blocks=num_blocks, draft_kv=draft_kv,
                 attention=self.platform.attention_backend(config.block_size, config.max_num_batched_tokens))
             self.speculator = spec_cls(ctx)
-        self.runner = ModelRunner(model, self.platform.device, num_blocks, config.block_size,
-                                  self.platform.attention_backend(config.block_size, config.max_num_batched_tokens),
+        max_blocks = -(-(self.max_model_len + lookahead + k + 1) // config.block_size)
+        attention = self.platform.attention_backend(config.block_size, config.max_num_batched_tokens,
+                                                    max_rows=config.max_num_seqs + 1, max_blocks=max_blocks)
+        self.runner = ModelRunner(model, self.platform.device, num_blocks, config.block_size, attention,
                                   num_slots=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  speculator=self.speculator, max_k=k, use_triton=self.platform.capabilities.triton)
+                                  speculator=self.speculator, max_k=k, use_triton=self.platform.capabilities.triton,
+                                  force_host_drafts=config.force_host_drafts,
+                                  max_num_tokens=config.max_num_batched_tokens)
+        if self.platform.capabilities.triton:
+            model.use_triton_ops(True)
+        if (self.platform.capabilities.supports_graphs and not config.enforce_eager
+                and getattr(attention, "supports_padding", False)):
+            from .step_graphs import StepGraphs
+
+            graphs = StepGraphs(self.runner, self.platform, config.max_num_seqs, (0, k))
+            try:
+                graphs.capture()
+                self.runner.graphs = graphs
+            except Exception:  # the engine still serves, eagerly; stats show no graph steps
+                self.log.exception("graph_capture_failed")
         policy = None if spec_cls is None else SpecPolicy(
             num_speculative_tokens=k, lookahead_slots=lookahead,
             variable_width=spec_cls.capabilities.draft_width == "variable", skip_drafts=config.skip_drafts)
@@ -180,6 +196,7 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_stale_rows": self.ledger.num_stale_rows,
             "num_async_rows": self.ledger.num_async_rows,
+            "num_graph_steps": self.runner.graphs.num_replays if self.runner.graphs is not None else 0,
             "kv_blocks_total": blocks.num_blocks,
             "kv_blocks_free": blocks.num_free,
             "uptime_s": time.monotonic() - self.started,
@@ -245,7 +262,7 @@ class EngineCore:
         # Run ahead only when requests can: a speculative request waits for its frame, and a
         # second frame would then hold only the rest of the batch, halving every step.
         depth = 2 if self.scheduler.async_scheduling and self.scheduler.spec is None else 1
-        in_flight: deque[Future[StepResult]] = deque()
+        in_flight: deque[Future[PendingStep]] = deque()
         runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speckernel-runner")
         try:
             while self.running:
@@ -258,16 +275,20 @@ class EngineCore:
                     break
                 while len(in_flight) < depth and (frame := self.scheduler.schedule()) is not None:
                     self.ledger.submit(frame)
-                    in_flight.append(runner.submit(self.execute, frame))
+                    in_flight.append(runner.submit(self.runner.launch, frame))
                 if not in_flight:
                     if not self.inbox:
                         await self.wakeup.wait()
                     self.wakeup = anyio.Event()
                     continue
-                result = await anyio.to_thread.run_sync(in_flight.popleft().result)
+                result = await anyio.to_thread.run_sync(_finish, in_flight.popleft())
                 deltas = self._apply(result)
                 if deltas:
                     await emit(CoreOutputs(deltas))
         finally:
             runner.shutdown(wait=True, cancel_futures=True)
 
+
+def _finish(launched: Future[PendingStep]) -> StepResult:
+    """Waits for the runner thread to launch the step, then for the device to run it."""
+    return launched.result().result()

@@ -1,61 +1,132 @@
 """Runs one StepFrame on the device: forward, sample or verify, then the speculator's pass.
 
-All of a step's input ids are gathered from the token buffer: the host writes the tokens it
-knows first, while placeholder inputs (async scheduling) and drafts are already there, put by
-the step that made them. Drafts are written back into the buffer right after each request's
-confirmed tokens; their IDs reach the host only when the frame asks (variable width,
-structured output).
+The host packs a step's plan (positions, slots, block tables, each row's slot, draft count,
+output position and sampling values, the host-known tokens) into one staging array, copied
+to the device in one go (`AttentionBackend.prepare`). Everything else is derived on the
+device: input ids gathered from the token buffer, logit positions, draft ids, where outputs
+go. So the device part of a step has fixed shapes once padded, and a captured graph
+(`StepGraphs`) replays it for every decode or verification step of its size.
 
-A failure is scoped to rows: when a step raises, its rows run again one by one and only the
-rows that fail alone fail; a row whose predecessor step did not complete for its slot fails
-without running.
+The only device-to-host transfer of a step without a speculator is its sampled tokens,
+copied into pinned memory behind an event: `launch` returns before the device has run the
+step, and `PendingStep.result` waits only when the ledger needs the tokens.
+
+A failure is scoped to rows: when launching a step raises, its rows run again one by one
+and only the rows that fail alone fail; a row whose predecessor step did not complete for its
+slot fails without running.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 import torch
 
 from . import log as logmod
-from .attention import AttentionBackend
+from .attention import AttentionBackend, AttentionMetadata
 from .frame import RowResult, ScheduledRow, StepFrame, StepResult
 from .models.llama import LlamaModel
 from .models.paged import new_kv_cache
 from .plugin import Speculator, TargetModel, TargetStates
-from .sampler import sample_on_device
+from .sampler import SamplingTensors, sample_on_device
 from .token_pool import TokenPool
 from .verify import verify
 
+if TYPE_CHECKING:
+    from .step_graphs import StepGraphs
+
 log = logmod.get("runner")
+
+# Columns of the per-row plan the host sends with each step.
+SLOT, NUM_DRAFTS, OUT_POS, SAMPLES, SEED, POSITION, TOP_K, TEMPERATURE, TOP_P = range(9)
+ROW_FIELDS = 9
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What fixes a step's device work: padded rows and tokens, verify width, sampling kind."""
+
+    rows: int
+    tokens: int
+    k: int
+    """Drafts verified per row (0: plain decode)."""
+    max_query_len: int
+    all_greedy: bool
+    any_filter: bool
+    decode_like: bool = False
+    """Every row samples and has one input token plus its drafts (what graphs serve)."""
+
+
+@dataclass
+class DeviceOutputs:
+    """What the device part of a step leaves behind (graph-static when replayed)."""
+
+    packed: torch.Tensor
+    """[R, K + 2]: K + 1 output tokens (-1 padded), then the accepted count."""
+    hidden: torch.Tensor
+    captured: dict[int, torch.Tensor]
+
+
+class PendingStep:
+    """A launched step: its RowResults once the device has run it."""
+
+    def __init__(self, finish: Callable[[], StepResult]) -> None:
+        self._finish = finish
+        self._result: StepResult | None = None
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            self._result = self._finish()
+        return self._result
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, device: torch.device, num_blocks: int, block_size: int,
                  attention: AttentionBackend, num_slots: int, max_model_len: int,
-                 speculator: Speculator | None = None, max_k: int = 0, use_triton: bool = False) -> None:
+                 speculator: Speculator | None = None, max_k: int = 0, use_triton: bool = False,
+                 force_host_drafts: bool = False, max_num_tokens: int = 0) -> None:
         self.model = model
         self.device = device
         self.attention = attention
         self.kv_cache = new_kv_cache(model.cfg, num_blocks, block_size, model.embed.weight.dtype, device)
         self.speculator = speculator
         self.use_triton = use_triton
-        # Room for the context, K drafts past it, and one spare column that catches padding.
-        self.pool = TokenPool(num_slots, max_model_len + max_k + 2, device)
+        self.force_host_drafts = force_host_drafts
+        self.num_slots = num_slots
+        reserve = getattr(attention, "reserve", None)
+        if reserve is not None:  # the plan buffer never moves under captured graphs
+            tokens = max(max_num_tokens, num_slots * (max_k + 1))
+            reserve(tokens, num_slots, ROW_FIELDS, 3 * tokens)
+        # Room for the context, K drafts past it, and one spare column that catches padding;
+        # one spare row takes what padding rows of a device graph write.
+        self.pool = TokenPool(num_slots + 1, max_model_len + max_k + 2, device)
+        self.pool.tokens[num_slots] = 0  # padding rows read their inputs there: any valid id
         caps = speculator.capabilities if speculator is not None else None
         self.hidden_layers = caps.target_hidden_layers if caps is not None else ()
         self.draft_probs: torch.Tensor | None = None
         if caps is not None and caps.sampled_drafts:
-            self.draft_probs = torch.zeros(num_slots, max(max_k, 1), model.cfg.vocab_size, device=device)
+            self.draft_probs = torch.zeros(num_slots + 1, max(max_k, 1), model.cfg.vocab_size, device=device)
         self.target: TargetModel | None = None
         if caps is not None and (caps.uses_target_kv or caps.uses_target_weights):
             weights = caps.uses_target_weights
             self.target = TargetModel(model.cfg, model.embed if weights else None, model.norm if weights else None,
                                       model.logits if weights else None,
                                       self.kv_cache if caps.uses_target_kv else None)
+        self.graphs: StepGraphs | None = None
+        """Captured decode and verification steps, when the engine captured them."""
+
+    # --- launching -------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, frame: StepFrame) -> StepResult:
+        return self.launch(frame).result()
+
+    @torch.inference_mode()
+    def launch(self, frame: StepFrame) -> PendingStep:
         results: list[RowResult | None] = [None] * len(frame.rows)
         runnable = []
         for i, row in enumerate(frame.rows):
@@ -63,142 +134,215 @@ class ModelRunner:
                 results[i] = self._failed(row, f"step {row.prev_step_id}, whose output this row reads, failed")
             else:
                 runnable.append(i)
-        k0, copies = self._run(frame, runnable, results)
-        return StepResult(frame.step_id, [r for r in results if r is not None], k0=k0,
-                          num_host_draft_copies=copies)
+        parts = self._run(frame, runnable, results)
 
-    def _run(self, frame: StepFrame, idx: list[int], results: list[RowResult | None]) -> tuple[bool, int]:
-        """Runs rows idx of frame into results; returns (k0, host draft copies)."""
+        def finish() -> StepResult:
+            k0, copies = frame.skip_drafts if not runnable else False, 0
+            for idx, pending in parts:
+                out = pending.result()
+                for i, row in zip(idx, out.rows, strict=True):
+                    results[i] = row
+                k0, copies = k0 or out.k0, copies + out.num_host_draft_copies
+            return StepResult(frame.step_id, [r for r in results if r is not None], k0=k0,
+                              num_host_draft_copies=copies)
+
+        return PendingStep(finish)
+
+    def _run(self, frame: StepFrame, idx: list[int],
+             results: list[RowResult | None]) -> list[tuple[list[int], PendingStep]]:
+        """Launches rows idx of frame; rows that fail to launch get their error in results."""
         if not idx:
-            return frame.skip_drafts, 0
+            return []
         try:
-            out = self._execute(msgspec.structs.replace(frame, rows=[frame.rows[i] for i in idx]))
+            return [(idx, self._launch(msgspec.structs.replace(frame, rows=[frame.rows[i] for i in idx])))]
         except Exception as e:
             log.exception("step_rows_failed", step_id=frame.step_id, rows=len(idx))
             if len(idx) == 1:
                 results[idx[0]] = self._failed(frame.rows[idx[0]], f"{type(e).__name__}: {e}")
-                return False, 0
+                return []
             # Rows are independent (KV and token-buffer writes depend only on the row), so each
             # runs again alone: only the rows that fail by themselves fail.
-            k0, copies = False, 0
-            for i in idx:
-                k, c = self._run(frame, [i], results)
-                k0, copies = k0 or k, copies + c
-            return k0, copies
-        for i, row in zip(idx, out.rows, strict=True):
-            results[i] = row
-        return out.k0, out.num_host_draft_copies
+            return [part for i in idx for part in self._run(frame, [i], results)]
 
     def _failed(self, row: ScheduledRow, error: str) -> RowResult:
         self.pool.failed(row.slot)
         return RowResult(row.key, row.generation, [], row.num_drafts, error=error)
 
-    def _execute(self, frame: StepFrame) -> StepResult:
+    def step_shape(self, frame: StepFrame) -> StepShape:
+        """The step's shape before padding, and whether it is a decode/verify step graphs fit."""
         rows = frame.rows
-        lens = [r.num_tokens for r in rows]
-        query_start = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        slots = np.asarray([r.slot for r in rows], np.int64)
-        starts = np.asarray([r.start_pos for r in rows], np.int64)
-        # Host-known tokens go into the buffer; then every input id is gathered from it.
-        host_n = np.asarray([len(r.token_ids) for r in rows], np.int64)
-        host_slots = np.repeat(slots, host_n)
-        host_pos = np.concatenate([np.arange(r.start_pos, r.start_pos + len(r.token_ids)) for r in rows])
-        host_vals = np.fromiter((t for r in rows for t in r.token_ids), np.int64, int(host_n.sum()))
-        self.pool.write_host(host_slots, host_pos.astype(np.int64), host_vals)
-        meta = self.attention.prepare([(r.start_pos, r.num_tokens, r.block_ids) for r in rows])
-        tok_slots = torch.from_numpy(np.repeat(slots, lens)).to(self.device, non_blocking=True)
-        input_ids = self.pool.tokens[tok_slots, meta.positions]
-        hidden, captured = self.model.forward_with_hidden(input_ids, self.kv_cache, meta, self.hidden_layers)
+        k = max((r.num_drafts for r in rows), default=0)
+        sampling = [r.sampling for r in rows if r.sampling is not None]
+        return StepShape(rows=len(rows), tokens=frame.num_tokens, k=k,
+                         max_query_len=max((r.num_tokens for r in rows), default=0),
+                         all_greedy=all(s.temperature == 0.0 for s in sampling),
+                         any_filter=any(s.top_k > 0 or s.top_p < 1.0 for s in sampling),
+                         decode_like=all(r.sampling is not None and r.num_tokens == 1 + r.num_drafts for r in rows))
 
-        sampling_idx = [i for i, r in enumerate(rows) if r.sampling is not None]
-        slot_index = torch.from_numpy(slots).to(self.device, non_blocking=True)
-        num_drafts = [r.num_drafts for r in rows]
-        tokens: dict[int, list[int]] = {}
-        accepted_host = [0] * len(rows)
-        accepted = torch.zeros(len(rows), dtype=torch.int64, device=self.device)
-        # Rows that sample, and their slots, as device indices made once for the whole step.
-        idx = torch.tensor(sampling_idx, dtype=torch.int64, device=self.device)
-        sample_slots = slot_index[idx]
-        if sampling_idx:
-            out, nacc = self._sample(frame, hidden, query_start, sampling_idx, sample_slots)
-            accepted[idx] = nacc
-            # Confirmed tokens land right after each row's last verified input (-1 past the end).
-            first = torch.tensor([starts[i] + lens[i] - num_drafts[i] for i in sampling_idx], device=self.device)
-            self.pool.write(sample_slots, first, out)
-            host_out, host_nacc = out.tolist(), nacc.tolist()
-            for j, i in enumerate(sampling_idx):
-                tokens[i] = [t for t in host_out[j] if t >= 0]
-                accepted_host[i] = host_nacc[j]
-        result_rows = [RowResult(r.key, r.generation, tokens.get(i, []), num_drafts[i], accepted_host[i])
-                       for i, r in enumerate(rows)]
-        k0, copies = False, 0
-        if self.speculator is not None:
-            seq_lens = [starts[i] + lens[i] - num_drafts[i] + (accepted_host[i] + 1 if i in tokens else 0)
-                        for i in range(len(rows))]
-            states = TargetStates(
-                tokens=self.pool.tokens, slots=slots.tolist(), slot_index=slot_index,
-                generations=[r.generation for r in rows], start_pos=starts.tolist(),
-                query_start=query_start.tolist(), positions=meta.positions, num_drafts=num_drafts,
-                accepted=accepted, seq_lens=[int(n) for n in seq_lens], samples=[i in tokens for i in range(len(rows))],
-                sampling=[r.sampling for r in rows], block_tables=[r.block_ids for r in rows],
-                hidden=captured, target=self.target)
-            k0, copies = self._speculate(frame, states, result_rows, sampling_idx, idx, sample_slots)
+    def plan(self, frame: StepFrame, shape: StepShape, padded: StepShape | None) -> AttentionMetadata:
+        """Packs the step's plan and sends it to the device in one copy."""
+        rows = frame.rows
+        extra = np.zeros((len(rows), ROW_FIELDS), np.int64)
+        floats = extra.view(np.float64)
+        for i, r in enumerate(rows):
+            s = r.sampling
+            extra[i, :4] = (r.slot, r.num_drafts, r.start_pos + r.num_tokens - r.num_drafts, s is not None)
+            if s is not None:
+                extra[i, SEED:TOP_K + 1] = (s.seed, s.position, s.top_k)
+                floats[i, TEMPERATURE], floats[i, TOP_P] = s.temperature, s.top_p
+            else:
+                floats[i, TOP_P] = 1.0
+        host_n = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
+        n = int(host_n.sum())
+        tail = np.empty(3 * n, np.int64)
+        tail[:n] = np.repeat(extra[:, SLOT], host_n)
+        tail[n : 2 * n] = np.concatenate([np.arange(r.start_pos, r.start_pos + len(r.token_ids)) for r in rows]) \
+            if n else tail[:0]
+        tail[2 * n :] = np.fromiter((t for r in rows for t in r.token_ids), np.int64, n)
+        chunks = [(r.start_pos, r.num_tokens, r.block_ids) for r in rows]
+        if padded is None:
+            return self.attention.prepare(chunks, row_extra=extra, tail=tail)
+        if padded.rows > len(rows):
+            pad = np.zeros((padded.rows - len(rows), ROW_FIELDS), np.int64)
+            pad[:, SLOT] = self.num_slots  # the spare row of the token buffer
+            pad.view(np.float64)[:, TOP_P] = 1.0
+            extra = np.concatenate([extra, pad])
+        return self.attention.prepare(chunks, num_tokens=padded.tokens, num_rows=padded.rows, row_extra=extra,
+                                      tail=tail, max_query_len=padded.max_query_len)
+
+    def write_host_tokens(self, meta: AttentionMetadata) -> None:
+        tail = meta.tail
+        if tail is not None and tail.numel():
+            n = tail.numel() // 3
+            self.pool.tokens[tail[:n], tail[n : 2 * n]] = tail[2 * n :]
+
+    def device_step(self, meta: AttentionMetadata, shape: StepShape) -> DeviceOutputs:
+        """Forward, then sample or verify, then the outputs into the token buffer: all on the
+        device, with shapes fixed by `shape` (a graph captures exactly this)."""
+        assert meta.row_extra is not None
+        extra = meta.row_extra
+        slot, num_drafts, out_pos = extra[:, SLOT], extra[:, NUM_DRAFTS], extra[:, OUT_POS]
+        tokens = self.pool.tokens
+        input_ids = tokens[slot[meta.token_rows], meta.positions]
+        hidden, captured = self.model.forward_with_hidden(input_ids, self.kv_cache, meta, self.hidden_layers)
+        floats = extra.view(torch.float64)
+        st = SamplingTensors(temperature=floats[:, TEMPERATURE].float(), top_k=extra[:, TOP_K],
+                             top_p=floats[:, TOP_P].float(), seed=extra[:, SEED], position=extra[:, POSITION],
+                             all_greedy=shape.all_greedy, any_filter=shape.any_filter)
+        last = (meta.query_start[1:] - 1).clamp(min=0)
+        k = shape.k
+        if k == 0:
+            out = sample_on_device(self.model.logits(hidden[last]), st, use_triton=self.use_triton)[:, None]
+            nacc = torch.zeros_like(slot)
+        else:
+            cols = torch.arange(k + 1, device=self.device)
+            index = (last - num_drafts)[:, None] + torch.minimum(cols[None, :], num_drafts[:, None])
+            draft_pos = (out_pos[:, None] + cols[None, :k]).clamp(max=self.pool.width - 1)
+            draft_ids = torch.where(cols[None, :k] < num_drafts[:, None], tokens[slot[:, None], draft_pos], -1)
+            probs = None if self.draft_probs is None else self.draft_probs[slot, :k]
+            logits = self.model.logits(hidden[index.clamp(min=0)])
+            out, nacc = verify(logits, draft_ids, st, probs, use_triton=self.use_triton)
+        # Confirmed tokens land right after each row's last verified input; rows that do not
+        # sample write into the spare last column, which nothing reads.
+        samples = extra[:, SAMPLES] > 0
+        self.pool.write(slot, torch.where(samples, out_pos, self.pool.width - 1), out)
+        packed = torch.cat([out, nacc[:, None].to(out.dtype)], dim=1)
+        return DeviceOutputs(packed, hidden, captured)
+
+    def _launch(self, frame: StepFrame) -> PendingStep:
+        rows = frame.rows
+        shape = self.step_shape(frame)
+        padded = self.graphs.padded(shape) if self.graphs is not None else None
+        meta = self.plan(frame, shape, padded)
+        self.write_host_tokens(meta)
+        if padded is not None:
+            assert self.graphs is not None
+            out = self.graphs.replay(padded)
+        else:
+            out = self.device_step(meta, shape)
         for r in rows:
             self.pool.completed(r.slot, r.generation, frame.step_id)
-        return StepResult(frame.step_id, result_rows, k0=k0, num_host_draft_copies=copies)
+        n = len(rows)
+        k1 = out.packed.shape[1] - 1  # a padded step verifies the bucket's K: more columns than shape.k
+        host, event = out.packed[:n].clone(), None
+        if self.device.type != "cpu":  # copy into pinned memory behind an event; wait only in finish()
+            host = torch.empty((n, out.packed.shape[1]), dtype=torch.int64, pin_memory=True)
+            host.copy_(out.packed[:n], non_blocking=True)
+            event = torch.Event(self.device)
+            event.record()
 
-    def _sample(self, frame: StepFrame, hidden: torch.Tensor, query_start: np.ndarray, sampling_idx: list[int],
-                sample_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens [S, K+1] -1 padded, accepted [S]) for the rows that sample."""
-        rows = frame.rows
-        sampling = [rows[i].sampling for i in sampling_idx]
-        k = max(rows[i].num_drafts for i in sampling_idx)
-        ends = query_start[1:]
-        if k == 0:
-            logits = self.model.logits(hidden[torch.from_numpy(ends[sampling_idx] - 1).to(self.device)])
-            out = sample_on_device(logits, sampling)  # type: ignore[arg-type]
-            return out[:, None], torch.zeros_like(out)
-        # Verify: logits at each row's last host token and its drafts, padded to K + 1.
-        positions, draft_pos = [], []
-        for i in sampling_idx:
-            d = rows[i].num_drafts
-            first = int(ends[i]) - 1 - d
-            positions.append([first + min(j, d) for j in range(k + 1)])
-            p0 = rows[i].start_pos + rows[i].num_tokens - d
-            draft_pos.append([p0 + j if j < d else -1 for j in range(k)])
-        dpos = torch.tensor(draft_pos, device=self.device)
-        draft_ids = torch.where(dpos >= 0, self.pool.tokens[sample_slots[:, None], dpos.clamp(min=0)], -1)
-        probs = None
-        if self.draft_probs is not None:
-            probs = self.draft_probs[sample_slots, :k]
-        logits = self.model.logits(hidden[torch.tensor(positions, device=self.device)])
-        return verify(logits, draft_ids, sampling, probs, use_triton=self.use_triton)  # type: ignore[arg-type]
+        def finish() -> StepResult:
+            if event is not None:
+                event.synchronize()
+            values = host.tolist()
+            result_rows = []
+            for r, v in zip(rows, values, strict=True):
+                sampled = [t for t in v[:k1] if t >= 0] if r.sampling is not None else []
+                result_rows.append(RowResult(r.key, r.generation, sampled, r.num_drafts,
+                                             v[k1] if r.sampling is not None else 0))
+            return StepResult(frame.step_id, result_rows)
 
-    def _speculate(self, frame: StepFrame, states: TargetStates, rows: list[RowResult],
-                   sampling_idx: list[int], idx: torch.Tensor, sample_slots: torch.Tensor) -> tuple[bool, int]:
-        """Runs the speculator's pass over every row; returns (k0, host draft copies)."""
+        if self.speculator is None:
+            return PendingStep(finish)
+        # The speculator reads this step's metadata and outputs, which the next launch
+        # overwrites: it runs now (it needs the accepted counts on the host anyway).
+        done = self._speculate(frame, meta, out, finish())
+        return PendingStep(lambda: done)
+
+    # --- the speculator's pass -------------------------------------------------------------
+
+    def _speculate(self, frame: StepFrame, meta: AttentionMetadata, out: DeviceOutputs,
+                   plain: StepResult) -> StepResult:
         assert self.speculator is not None
+        rows = frame.rows
+        n = len(rows)
+        result_rows = list(plain.rows)
+        starts = [r.start_pos for r in rows]
+        lens = [r.num_tokens for r in rows]
+        num_drafts = [r.num_drafts for r in rows]
+        samples = [r.sampling is not None for r in rows]
+        seq_lens = [starts[i] + lens[i] - num_drafts[i] + (result_rows[i].num_accepted + 1 if samples[i] else 0)
+                    for i in range(n)]
+        query_start = np.concatenate([[0], np.cumsum(lens)]).tolist()
+        slots = [r.slot for r in rows]
+        assert meta.row_extra is not None
+        slot_index = meta.row_extra[:n, SLOT]
+        accepted = out.packed[:n, -1]
+        t = query_start[-1]
+        states = TargetStates(
+            tokens=self.pool.tokens, slots=slots, slot_index=slot_index,
+            generations=[r.generation for r in rows], start_pos=starts, query_start=query_start,
+            positions=meta.positions[:t], num_drafts=num_drafts, accepted=accepted, seq_lens=seq_lens,
+            samples=samples, sampling=[r.sampling for r in rows], block_tables=[r.block_ids for r in rows],
+            hidden={layer: h[:t] for layer, h in out.captured.items()}, target=self.target)
         spec = self.speculator
         k = frame.num_speculative_tokens
+        sampling_idx = [i for i in range(n) if samples[i]]
         if not sampling_idx or (frame.skip_drafts and spec.capabilities.supports_k0):
             spec.sync(states)
-            return frame.skip_drafts, 0
+            return msgspec.structs.replace(plain, rows=result_rows, k0=frame.skip_drafts)
         drafts = spec.propose(states, k)
         if frame.skip_drafts:  # the speculator cannot skip drafting: its drafts are dropped
-            return True, 0
+            return msgspec.structs.replace(plain, rows=result_rows, k0=True)
+        idx = torch.tensor(sampling_idx, dtype=torch.int64, device=self.device)
         ids = drafts.token_ids[idx]
-        start = torch.tensor([states.seq_lens[i] for i in sampling_idx], device=self.device)
+        sample_slots = slot_index[idx]
+        start = torch.tensor([seq_lens[i] for i in sampling_idx], device=self.device)
         self.pool.write(sample_slots, start, ids)
         if self.draft_probs is not None and drafts.probs is not None:
             self.draft_probs[sample_slots, :k] = drafts.probs[idx].float()
         if not frame.host_drafts:
+            copies = 0
+            if self.force_host_drafts:  # what a kernel that ignored the fixed width would pay
+                ids.tolist()
+                copies = 1
             for i in sampling_idx:
-                rows[i] = msgspec.structs.replace(rows[i], num_next_drafts=k)
-            return False, 0
+                result_rows[i] = msgspec.structs.replace(result_rows[i], num_next_drafts=k)
+            return msgspec.structs.replace(plain, rows=result_rows, num_host_draft_copies=copies)
         for j, drafted in zip(sampling_idx, ids.tolist(), strict=True):
-            cut = next((n for n, t in enumerate(drafted) if t < 0), len(drafted))
-            rows[j] = msgspec.structs.replace(rows[j], next_draft_ids=drafted[:cut])
-        return False, 1
+            cut = next((m for m, tok in enumerate(drafted) if tok < 0), len(drafted))
+            result_rows[j] = msgspec.structs.replace(result_rows[j], next_draft_ids=drafted[:cut])
+        return msgspec.structs.replace(plain, rows=result_rows, num_host_draft_copies=1)
 
     @torch.inference_mode()
     def prompt_logits(self, frame: StepFrame) -> torch.Tensor:

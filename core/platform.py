@@ -94,9 +94,12 @@ class Platform(Protocol):
         """Bytes for the paged KV cache (target and draft) when the user gives no budget."""
         ...
 
-    def attention_backend(self, block_size: int, max_tokens: int) -> AttentionBackend:
-        """A fresh backend sized for steps of up to `max_tokens` tokens; one per model, since
-        a backend's metadata lives only until its next prepare()."""
+    def attention_backend(self, block_size: int, max_tokens: int, max_rows: int = 1,
+                          max_blocks: int = 0) -> AttentionBackend:
+        """A fresh backend sized for steps of up to `max_tokens` tokens and `max_rows` rows, with
+        block tables `max_blocks` wide (0: as wide as each step needs); one per model, since a
+        backend's metadata lives only until its next prepare(). Where `capabilities.triton`,
+        the project's Triton kernels run attention."""
         ...
 
     def graph_capture(self, pool: object | None = None) -> AbstractContextManager[DeviceGraph]:

@@ -12,7 +12,6 @@ can tell whether that predecessor really ran.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 NONE = -1
@@ -28,15 +27,6 @@ class TokenPool:
     @property
     def width(self) -> int:
         return self.tokens.shape[1]
-
-    def write_host(self, slots: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
-        """One host-to-device copy for all host-known tokens of a step."""
-        if not len(values):
-            return
-        packed = torch.from_numpy(np.stack([slots, positions, values]).astype(np.int64))
-        if self.device.type != "cpu":
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
-        self.tokens[packed[0], packed[1]] = packed[2]
 
     def write(self, slots: torch.Tensor, start: torch.Tensor, values: torch.Tensor) -> None:
         """values [R, N] at positions start[r] .. start[r] + N - 1 of slots[r], on the device,

@@ -1,4 +1,4 @@
-"""Draft verification: greedy and rejection sampling, one acceptance rule for both.
+"""Draft verification: greedy and rejection sampling, one acceptance rule for both, batched on the device.
 
 Per row and draft position i the rule is: accept draft x_i while u_i * q_i(x_i) <= p_i(x_i)
 and x_i >= 0 (a -1 is never accepted). Greedy is the special case p = [x_i == argmax],
@@ -6,18 +6,29 @@ q = u = 1. The first rejected position takes the recovered token (a sample of th
 max(p - q, 0), or the argmax for greedy); when every draft is accepted, the bonus token is a
 sample of p at the next position.
 
-The acceptance step has a Triton kernel for GPUs and a torch path elsewhere; both are
-checked against each other (Triton also runs on CPU under TRITON_INTERPRET=1).
+All rows and positions go through one fixed sequence of kernels (no loop over rows, no host
+sync, fixed shapes), so a step that verifies can be captured in a CUDA graph. Position j of a
+row samples with exactly the noise `sampler.sample_on_device` uses for that row's output token
+position + j, so a row without drafts samples what plain sampling samples, whatever else is in
+the batch. The acceptance uniform of output token n is entry 0 of the stream (seed ^ DRAFT_SALT, n).
+
+The acceptance step and the race that samples each position have Triton kernels for GPUs
+(use_triton) and torch paths elsewhere; both give the same tokens and are checked against each
+other (Triton also runs on CPU under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .frame import RowSampling
-from .sampler import draw_seed, target_probs
+from .sampler import SamplingTensors, as_sampling_tensors, probs_on_device, race, uniform
 
 DRAFT_SALT = 0x5EED
+ACCEPT_ROWS = 16
+"""Rows per program of the Triton accept kernel."""
 
 
 def accept_torch(
@@ -29,7 +40,7 @@ def accept_torch(
     num_accepted = ok.int().cumprod(dim=1).sum(dim=1)
     k = draft_ids.shape[1]
     cols = torch.arange(k + 1, device=draft_ids.device)[None, :]
-    padded = torch.cat([draft_ids, torch.full_like(draft_ids[:, :1], -1)], dim=1)
+    padded = torch.cat([draft_ids, draft_ids.new_full((draft_ids.shape[0], 1), -1)], dim=1)  # K = 0 too
     acc = num_accepted[:, None]
     tokens = torch.where(cols < acc, padded, torch.where(cols == acc, final, torch.full_like(final, -1)))
     return tokens, num_accepted
@@ -45,23 +56,26 @@ def _triton_kernel():  # type: ignore[no-untyped-def]
         import triton.language as tl
 
         @triton.jit
-        def accept_kernel(draft_ptr, px_ptr, qx_ptr, u_ptr, final_ptr, out_ptr, nacc_ptr,
-                          K: tl.constexpr, BLOCK: tl.constexpr):
-            row = tl.program_id(0)
-            cols = tl.arange(0, BLOCK)
-            in_k = cols < K
-            draft = tl.load(draft_ptr + row * K + cols, mask=in_k, other=-1)
-            p = tl.load(px_ptr + row * K + cols, mask=in_k, other=0.0)
-            q = tl.load(qx_ptr + row * K + cols, mask=in_k, other=1.0)
-            u = tl.load(u_ptr + row * K + cols, mask=in_k, other=1.0)
+        def accept_kernel(draft_ptr, px_ptr, qx_ptr, u_ptr, final_ptr, out_ptr, nacc_ptr, R,
+                          K: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+            # ROWS rows per program: a [ROWS, BLOCK] tile, one row per line.
+            row_ids = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+            rows = row_ids[:, None]
+            cols = tl.arange(0, BLOCK)[None, :]
+            in_k = (cols < K) & (rows < R)
+            in_k1 = (cols < K + 1) & (rows < R)
+            draft = tl.load(draft_ptr + rows * K + cols, mask=in_k, other=-1)
+            p = tl.load(px_ptr + rows * K + cols, mask=in_k, other=0.0)
+            q = tl.load(qx_ptr + rows * K + cols, mask=in_k, other=1.0)
+            u = tl.load(u_ptr + rows * K + cols, mask=in_k, other=1.0)
             ok = (draft >= 0) & (u * q <= p) & in_k
             # accepted = length of the leading run of accepted drafts
-            first_bad = tl.min(tl.where(ok, BLOCK, cols), axis=0)
-            acc = tl.minimum(first_bad, K)
-            final = tl.load(final_ptr + row * (K + 1) + cols, mask=cols < K + 1, other=-1)
+            first_bad = tl.min(tl.where(ok, BLOCK, cols), axis=1)
+            acc = tl.minimum(first_bad, K)[:, None]
+            final = tl.load(final_ptr + rows * (K + 1) + cols, mask=in_k1, other=-1)
             out = tl.where(cols < acc, draft, tl.where(cols == acc, final, -1))
-            tl.store(out_ptr + row * (K + 1) + cols, out, mask=cols < K + 1)
-            tl.store(nacc_ptr + row, acc)
+            tl.store(out_ptr + rows * (K + 1) + cols, out, mask=in_k1)
+            tl.store(nacc_ptr + row_ids, tl.minimum(first_bad, K), mask=row_ids < R)
 
         _TRITON_KERNEL = accept_kernel
     return _TRITON_KERNEL
@@ -76,58 +90,59 @@ def accept_triton(
     out = torch.empty((r, k + 1), dtype=torch.int64, device=draft_ids.device)
     nacc = torch.empty(r, dtype=torch.int32, device=draft_ids.device)
     if r:
-        _triton_kernel()[(r,)](
+        _triton_kernel()[(triton.cdiv(r, ACCEPT_ROWS),)](
             draft_ids.contiguous(), p_x.float().contiguous(), q_x.float().contiguous(),
-            u.float().contiguous(), final.contiguous(), out, nacc,
-            K=k, BLOCK=triton.next_power_of_2(k + 1),
+            u.float().contiguous(), final.contiguous(), out, nacc, r,
+            K=k, BLOCK=triton.next_power_of_2(k + 1), ROWS=ACCEPT_ROWS,
         )
     return out, nacc.long()
 
 
-def accept(draft_ids, p_x, q_x, u, final, use_triton: bool):  # type: ignore[no-untyped-def]
+def accept(draft_ids: torch.Tensor, p_x: torch.Tensor, q_x: torch.Tensor, u: torch.Tensor, final: torch.Tensor,
+           use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return (accept_triton if use_triton else accept_torch)(draft_ids, p_x, q_x, u, final)
 
 
 def verify(
     logits: torch.Tensor,
     draft_ids: torch.Tensor,
-    sampling: list[RowSampling],
+    st: SamplingTensors | Sequence[RowSampling],
     draft_probs: torch.Tensor | None = None,
     use_triton: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [R, K+1, V] target logits at each row's last host token and its K drafts;
-    draft_ids: [R, K] (-1 padded). Returns (tokens [R, K+1] -1 padded, num_accepted [R])."""
-    r, k1, _ = logits.shape
+    draft_ids: [R, K] int64 (-1: no draft there); draft_probs: [R, K, V] the proposal q, or None
+    for a deterministic drafter (q one-hot at the draft). Returns (tokens [R, K+1] -1 padded,
+    num_accepted [R]). Graph-capturable when st is SamplingTensors."""
+    r, k1, v = logits.shape
     k = k1 - 1
-    device = logits.device
-    p_x = torch.zeros(r, k, device=device)
-    q_x = torch.ones(r, k, device=device)
-    u = torch.ones(r, k, device=device)
-    final = logits.argmax(-1)
-    safe_ids = draft_ids.clamp(min=0)
-    p_x[:] = (final[:, :k] == draft_ids).float()  # greedy rows; sampled rows are overwritten below
-    for i, s in enumerate(sampling):
-        if s.temperature == 0.0:
-            continue
-        p = torch.stack([target_probs(logits[i, j], s) for j in range(k1)])  # [K+1, V]
-        gen = torch.Generator(device=device).manual_seed(draw_seed(s.seed ^ DRAFT_SALT, s.position))
-        u[i] = torch.rand(k, generator=gen, device=device)
-        # Position j draws the same noise as plain sampling would, so a row without drafts
-        # samples exactly what `sampler.sample` samples, whatever else is in the batch.
-        noise = torch.stack([
-            torch.empty_like(p[j]).exponential_(
-                generator=torch.Generator(device=device).manual_seed(draw_seed(s.seed, s.position + j)))
-            for j in range(k1)])
-        q = None
-        if draft_probs is not None:
-            q = draft_probs[i].float()
-            q_x[i] = q.gather(-1, safe_ids[i][:, None])[:, 0]
-        else:  # a deterministic proposal: q is one-hot at the draft
-            q = torch.zeros_like(p[:k]).scatter_(-1, safe_ids[i][:, None], 1.0)
-        p_x[i] = p[:k].gather(-1, safe_ids[i][:, None])[:, 0]
-        residual = (p[:k] - q).clamp(min=0)
-        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:k])
-        has_draft = (draft_ids[i] >= 0)[:, None]
-        stop_dist = torch.cat([torch.where(has_draft, residual, p[:k]), p[k:]])
-        final[i] = (stop_dist / noise).argmax(-1)
+    st = as_sampling_tensors(st, logits.device)
+    best = logits.argmax(-1)  # [R, K+1]: greedy rows' tokens
+    greedy_px = (best[:, :k] == draft_ids).float()
+    ones = torch.ones_like(greedy_px)
+    if st.all_greedy:
+        return accept(draft_ids, greedy_px, ones, ones, best, use_triton)
+
+    cols = st.columns(k1)  # row r, position j -> flat row r * (K+1) + j, output token position + j
+    p = probs_on_device(logits.reshape(r * k1, v), cols).view(r, k1, v)
+    safe_ids = draft_ids.clamp(min=0)[..., None]
+    p_x = p[:, :k].gather(-1, safe_ids)[..., 0]
+    if draft_probs is None:  # q is one-hot at the draft: max(p - q, 0) is p without the draft
+        q_x = ones
+        residual = p[:, :k].scatter(-1, safe_ids, 0.0)
+    else:
+        q = draft_probs.float()
+        q_x = q.gather(-1, safe_ids)[..., 0]
+        residual = (p[:, :k] - q).clamp_(min=0.0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:, :k])
+    # Where a row stops: the residual after a rejected draft, p where there was no draft and at K.
+    stop = torch.cat([torch.where((draft_ids >= 0)[..., None], residual, p[:, :k]), p[:, k:]], dim=1)
+    sampled = race(stop.view(r * k1, v), cols, use_triton).view(r, k1)
+    u = uniform(st.seed[:, None], cols.position.view(r, k1)[:, :k], DRAFT_SALT)
+
+    greedy = st.greedy[:, None]
+    final = torch.where(greedy, best, sampled)
+    p_x = torch.where(greedy, greedy_px, p_x)
+    q_x = torch.where(greedy, 1.0, q_x)
+    u = torch.where(greedy, 1.0, u)
     return accept(draft_ids, p_x, q_x, u, final, use_triton)

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from speckernel.attention import TorchPagedAttention
+from speckernel.attention import PagedAttention, TorchPagedAttention, TritonPagedAttention
 from speckernel.platform import (
     GATE_TIMEOUT_S,
     DeviceGraph,
@@ -57,8 +57,10 @@ class TorchAcceleratorPlatform:
         free, _ = self.memory_info()
         return int(free * self.kv_fraction)
 
-    def attention_backend(self, block_size: int, max_tokens: int) -> TorchPagedAttention:
-        return TorchPagedAttention(block_size, max_tokens, self.device, pin_host=True)
+    def attention_backend(self, block_size: int, max_tokens: int, max_rows: int = 1,
+                          max_blocks: int = 0) -> PagedAttention:
+        cls = TritonPagedAttention if self.capabilities.triton else TorchPagedAttention
+        return cls(block_size, max_tokens, self.device, pin_host=True, max_rows=max_rows, max_blocks=max_blocks)
 
     def graph_capture(self, pool: object | None = None) -> AbstractContextManager[DeviceGraph]:
         module = self.module()

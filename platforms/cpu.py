@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from speckernel.attention import TorchPagedAttention
+from speckernel.attention import PagedAttention, TorchPagedAttention, TritonPagedAttention
 from speckernel.platform import (
     GATE_TIMEOUT_S,
     DeviceGraph,
@@ -47,8 +47,10 @@ class CpuPlatform:
         free, _ = self.memory_info()
         return min(self.kv_budget_cap, free // 4)
 
-    def attention_backend(self, block_size: int, max_tokens: int) -> TorchPagedAttention:
-        return TorchPagedAttention(block_size, max_tokens, self.device, pin_host=False)
+    def attention_backend(self, block_size: int, max_tokens: int, max_rows: int = 1,
+                          max_blocks: int = 0) -> PagedAttention:
+        cls = TritonPagedAttention if self.capabilities.triton else TorchPagedAttention
+        return cls(block_size, max_tokens, self.device, pin_host=False, max_rows=max_rows, max_blocks=max_blocks)
 
     def graph_capture(self, pool: object | None = None) -> AbstractContextManager[DeviceGraph]:
         raise GraphCaptureUnsupportedError("platform 'cpu' cannot capture device graphs "

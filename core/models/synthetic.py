@@ -1,0 +1,76 @@
+"""Random-weight models, named `random:PRESET[,FIELD=VALUE...]`: a real checkpoint's shapes
+without its file, for measurements that depend on shapes alone (the time of a decode step does
+not depend on what the weights hold).
+
+`random:llama3-8b` has Llama-3-8B's shapes; `random:tiny` builds in milliseconds for tests. Any
+ModelConfig field can follow the preset: `random:llama3-8b,num_layers=4`. Weights are drawn on
+the target device from a fixed seed, so the 16 GB of an 8B model in bf16 never pass through the
+host, and two loads of one name (a target and its draft_model) hold the same weights. The
+presets name no end-of-sequence token: random logits would otherwise end requests at random.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import torch
+
+from ..errors import UnknownModelError
+from .config import ModelConfig
+from .llama import LlamaModel
+from .rope import cos_sin_table
+
+PREFIX = "random:"
+PRESETS = {
+    "llama3-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                             num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position=8192),
+    "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, max_position=2048),
+}
+INIT_STD = 0.02
+SEED = 0
+
+
+def is_random(name: str | Path) -> bool:
+    return str(name).startswith(PREFIX)
+
+
+def random_config(name: str | Path) -> ModelConfig:
+    """The preset's config with the overrides in the name applied (values converted to the
+    field's type), or UnknownModelError naming what is wrong."""
+    preset, *items = str(name).removeprefix(PREFIX).split(",")
+    if preset not in PRESETS:
+        raise UnknownModelError(f"unknown random model {str(name)!r}; presets: "
+                                + ", ".join(PREFIX + p for p in PRESETS))
+    fields = {f.name for f in msgspec.structs.fields(ModelConfig)}
+    overrides: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise UnknownModelError(f"{str(name)!r}: expected FIELD=VALUE with a ModelConfig field, got {item!r}")
+        overrides[key] = value
+    raw = msgspec.to_builtins(PRESETS[preset]) | overrides
+    try:
+        return msgspec.convert(raw, ModelConfig, strict=False)
+    except msgspec.ValidationError as e:
+        raise UnknownModelError(f"{str(name)!r}: {e}") from None
+
+
+@torch.no_grad()
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int) -> LlamaModel:
+    """Matrices ~ N(0, INIT_STD), norm weights 1, biases 0, allocated on `device` directly."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg, max_len)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(SEED)
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):
+            param.zero_()
+        elif param.ndim == 1:  # norm weights
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, INIT_STD, generator=generator)
+    cos, sin = cos_sin_table(cfg, max_len)
+    model.cos, model.sin = cos.to(device), sin.to(device)  # rotary tables stay float32, as loaded ones do
+    return model.eval().requires_grad_(False)

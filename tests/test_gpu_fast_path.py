@@ -1,0 +1,73 @@
+"""The fast path on a real GPU: graphs and Triton kernels give the eager path's greedy output in
+float32, and steady-state decode steps launch without a single host synchronisation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from speckernel.config import EngineConfig
+from speckernel.engine_core import EngineCore
+from speckernel.messages import AddRequest
+from speckernel.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+MAX_TOKENS = 40
+
+
+def prompts(tokenizer, texts: list[str]) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    return [tokenizer.encode(t) for t in texts]
+
+
+def run(core: EngineCore, ids: list[list[int]], params: SamplingParams) -> dict[int, list[int]]:
+    for key, p in enumerate(ids):
+        core.add_request(AddRequest(key, p, params))
+    out: dict[int, list[int]] = {key: [] for key in range(len(ids))}
+    while core.scheduler.requests:
+        for delta in core.step():
+            out[delta.key] += delta.new_token_ids
+    return out
+
+
+def config(eager: bool, **kw: object) -> EngineConfig:
+    return EngineConfig(platform="cuda", dtype="float32", max_model_len=512, max_num_seqs=16, num_kv_blocks=512,
+                        enforce_eager=eager, in_process=True, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [{}, {"speculator": "ngram", "num_speculative_tokens": 4}])
+def test_graphs_give_the_eager_greedy_output_in_float32(model_path: Path, tokenizer, spec: dict) -> None:  # type: ignore[no-untyped-def]
+    from tests.conftest import PROMPTS
+
+    ids = prompts(tokenizer, PROMPTS[:12])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    eager = run(EngineCore(config(True, **spec)), ids, params)
+    core = EngineCore(config(False, **spec))
+    fast = run(core, ids, params)
+    assert core.runner.graphs is not None and core.runner.graphs.num_replays > 0, "graphs ran"
+    assert fast == eager
+
+
+@pytest.mark.slow
+def test_steady_state_decode_launches_without_host_sync(model_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    core = EngineCore(config(False))
+    for key, p in enumerate(prompts(tokenizer, ["The capital of France is", "def fibonacci(n):"])):
+        core.add_request(AddRequest(key, p, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)))
+    for _ in range(4):  # prefill, then the first decode steps
+        core.step()
+    assert core.runner.graphs is not None
+    before = core.runner.graphs.num_replays
+    for _ in range(16):
+        frame = core.scheduler.schedule()
+        assert frame is not None
+        core.ledger.submit(frame)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            pending = core.runner.launch(frame)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        core.ledger.apply(pending.result())
+    assert core.runner.graphs.num_replays - before == 16
