@@ -74,6 +74,8 @@ def speculator_flags(p: argparse.ArgumentParser, default_help: str) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--draft-model", default=None)
     p.add_argument("--speculator-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--adaptive-speculation", action="store_true",
+                   help="let measured step times turn drafting off where it does not pay")
 
 
 def int_list(text: str) -> list[int]:
@@ -100,6 +102,7 @@ def with_speculator(config: EngineConfig, args: argparse.Namespace, name: str | 
 
     return msgspec.structs.replace(config, speculator=name, num_speculative_tokens=args.num_speculative_tokens,
                                    draft_model=args.draft_model,
+                                   adaptive_speculation=getattr(args, "adaptive_speculation", False),
                                    speculator_options=parse_options(args.speculator_option))
 
 

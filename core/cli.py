@@ -35,6 +35,8 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-skip-drafts", action="store_true", help="never run K=0 steps (for comparison)")
     p.add_argument("--speculator-option", action="append", default=[], metavar="KEY=VALUE",
                    help="speculator-specific option, e.g. num_layers=8 for draft_model (repeatable)")
+    p.add_argument("--adaptive-speculation", action="store_true",
+                   help="turn drafting off for batch sizes where measured steps show it does not pay")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay captured device graphs (they are captured at start on CUDA)")
 
@@ -78,6 +80,7 @@ def config_from(args: argparse.Namespace) -> Any:
                         log_level=args.log_level, speculator=args.speculator,
                         num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
                         skip_drafts=not args.no_skip_drafts, enforce_eager=args.enforce_eager,
+                        adaptive_speculation=args.adaptive_speculation,
                         speculator_options=parse_options(args.speculator_option))
 
 

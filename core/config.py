@@ -42,6 +42,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     enforce_eager: bool = False
     """Never replay captured device graphs (they are captured at start where the platform
     supports them and Triton kernels run)."""
+    adaptive_speculation: bool = False
+    """Let measured step times turn drafting off (K=0 steps) for batch sizes where verifying
+    drafts costs more than it yields (`speckernel.spec_governor`)."""
     force_host_drafts: bool = False
     """Copy draft IDs to the host after every drafting step even when the speculator's fixed
     width makes it unnecessary (benchmarks measure what avoiding the copy saves)."""

@@ -46,6 +46,7 @@ from .platform import parse_dtype
 from .plugin import SpeculatorCapabilities, SpeculatorContext
 from .request import Request
 from .scheduler import Scheduler, SpecPolicy
+from .spec_governor import SpecGovernor
 from .speculator_options import parse_options
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -113,6 +114,9 @@ class EngineCore:
                                    config.max_num_seqs, config.max_num_batched_tokens, policy,
                                    async_scheduling=config.async_scheduling)
         self.ledger = Ledger(self.scheduler)
+        self.governor = SpecGovernor() if config.adaptive_speculation and spec_cls is not None else None
+        if self.governor is not None:
+            self.scheduler.draft_gate = self.governor.allow
         self.seeds = np.random.default_rng(config.seed)
         self.inbox: deque[FrontendMessage] = deque()
         self.wakeup: anyio.Event | None = None  # made inside the loop that runs the core
@@ -205,6 +209,7 @@ class EngineCore:
                 "num_speculative_tokens": self.scheduler.spec.num_speculative_tokens if self.scheduler.spec else 0,
                 "num_k0_steps": self.ledger.num_k0_steps,
                 "num_host_draft_copies": self.ledger.num_host_draft_copies,
+                "num_governor_vetoes": self.governor.num_vetoed if self.governor is not None else 0,
             },
         }
 
@@ -219,11 +224,19 @@ class EngineCore:
         if frame is None:
             return []
         self.ledger.submit(frame)
-        return self._apply(self.execute(frame))
+        started = time.perf_counter()
+        return self._apply(self.execute(frame), frame, started)
 
-    def _apply(self, result: StepResult) -> list[RequestDelta]:
+    def _apply(self, result: StepResult, frame: StepFrame | None = None, started: float = 0.0) -> list[RequestDelta]:
         self.num_steps += 1
-        return self.ledger.apply(result)
+        before = self.ledger.num_generated_tokens
+        deltas = self.ledger.apply(result)
+        if self.governor is not None and frame is not None and all(
+                r.sampling is not None and r.num_tokens == 1 + r.num_drafts for r in frame.rows):
+            # Decode and verification steps only: a prefill chunk's cost says nothing about drafts.
+            self.governor.record(len(frame.rows), any(r.num_drafts for r in frame.rows),
+                                 self.ledger.num_generated_tokens - before, time.perf_counter() - started)
+        return deltas
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -263,6 +276,7 @@ class EngineCore:
         # second frame would then hold only the rest of the batch, halving every step.
         depth = 2 if self.scheduler.async_scheduling and self.scheduler.spec is None else 1
         in_flight: deque[Future[PendingStep]] = deque()
+        launched: deque[tuple[StepFrame, float]] = deque()
         runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speckernel-runner")
         try:
             while self.running:
@@ -275,6 +289,7 @@ class EngineCore:
                     break
                 while len(in_flight) < depth and (frame := self.scheduler.schedule()) is not None:
                     self.ledger.submit(frame)
+                    launched.append((frame, time.perf_counter()))
                     in_flight.append(runner.submit(self.runner.launch, frame))
                 if not in_flight:
                     if not self.inbox:
@@ -282,7 +297,8 @@ class EngineCore:
                     self.wakeup = anyio.Event()
                     continue
                 result = await anyio.to_thread.run_sync(_finish, in_flight.popleft())
-                deltas = self._apply(result)
+                frame, started = launched.popleft()
+                deltas = self._apply(result, frame, started)
                 if deltas:
                     await emit(CoreOutputs(deltas))
         finally:

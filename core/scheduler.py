@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 
@@ -47,6 +48,8 @@ class Scheduler:
         # Generations come from one counter, so (req_id, generation) is never reused, even
         # when a caller reuses a request id after the first request finished.
         self.generations = itertools.count(1)
+        self.draft_gate: Callable[[int], bool] | None = None
+        """Asked, for a step of that many rows, whether it may draft (the speculation governor)."""
 
     def add(self, req: Request) -> None:
         req.generation = next(self.generations)
@@ -152,7 +155,9 @@ class Scheduler:
         (non-final prefill chunks) and rows sure to finish with the token this step emits."""
         if self.spec is None or not self.spec.skip_drafts:
             return False
-        return not any(row.sampling is not None and self.may_continue(self.requests[row.key]) for row in rows)
+        if not any(row.sampling is not None and self.may_continue(self.requests[row.key]) for row in rows):
+            return True
+        return self.draft_gate is not None and not self.draft_gate(len(rows))
 
     @staticmethod
     def may_continue(req: Request) -> bool:
