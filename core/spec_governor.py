@@ -5,8 +5,8 @@ step is bound by reading weights (small batches on a GPU) and costs up to (1+K)x
 bound by compute (large batches, or a CPU). The governor keeps, per batch-size bucket, a
 moving average of the tokens per second of steps that verified drafts and of steps that did
 not, and lets the scheduler draft only while the first is not slower than the second by more
-than `margin`, once it has measured enough steps of both kinds. While drafting is off it still drafts once every `explore_every` steps of that
-bucket (and, while drafting is on, runs one plain step as often), so both estimates follow the
+than `margin`, once it has measured enough steps of both kinds. After that it still probes
+the other way once every `explore_every` steps of the bucket, so both estimates follow the
 workload. Greedy output never depends on it: a K=0 step only decides whether drafts exist.
 """
 
