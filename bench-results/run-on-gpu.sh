@@ -52,6 +52,8 @@ bench decode decode --platform cuda --dtype bfloat16 --max-tokens 256 --num-prom
 bench scale scale --platform cuda
 bench decode_hf decode --platform cuda --dtype bfloat16 --max-tokens 128 --num-prompts 4 --concurrency 1 \
   --speculator ngram
+bench decode_adaptive decode --platform cuda --dtype bfloat16 --max-tokens 256 --num-prompts 10 \
+  --concurrency 16,64 --speculator ngram --no-hf --adaptive-speculation
 bench hostsync hostsync --platform cuda --max-tokens 128 --num-prompts 4 --concurrency 1,16
 bench prefill prefill --platform cuda --speculator ngram --prompt-tokens 1200 --num-prompts 16 --concurrency 1,16
 for dtype in $dtypes; do
@@ -80,7 +82,7 @@ if (r := load("scale")):
     for m in r["models"]:
         rows.append(("scale", m["model"], f"step {m['step_p50_ms']:.2f} ms, floor {m['floor_ms']:.2f} ms "
                      f"({m['step_over_floor']:.1f}x) at {r['copy_bandwidth_gb_s']:.0f} GB/s"))
-for r in (load("decode"), load("decode_hf")):
+for r in (load("decode"), load("decode_hf"), load("decode_adaptive")):
     if not r:
         continue
     for run in r["runs"]:
