@@ -2,10 +2,11 @@
 `<out>/<scenario>.json` (with the command line, host, platform, dtype and library versions), a
 markdown table `<out>/<scenario>.md` and a plot `<out>/<scenario>.png`.
 
-Each scenario is one module, `bench_<scenario>.py`, with `add_arguments(parser)`, `run(args)`
-(a coroutine where it drives AsyncEngine) returning the report, `markdown(report)` returning
-the table's lines and `plot(report, plt)` returning a figure. This module wires them to the
-command line and holds what they share: engine flags, the report header, the writer.
+Each scenario is one module, `bench_<scenario>.py`, with `run(args)` (a coroutine where it
+drives AsyncEngine) returning the report, `markdown(report)` returning the table's lines and
+`plot(report, plt)` returning a figure; its flags live in `bench_cli`. This module runs the
+chosen one and holds what they share: engine configs from the flags, the report header, the
+writer.
 """
 
 from __future__ import annotations
@@ -27,66 +28,12 @@ import numpy as np
 
 from .config import EngineConfig
 
-SCENARIOS = {
-    "accept": "acceptance per speculator on HumanEval",
-    "decode": "decode speed at batch 1 and under concurrency, per speculator, next to HF transformers",
-    "hostsync": "a fixed-width speculator with and without copying draft IDs to the host",
-    "prefill": "prefill-only requests with and without K=0 steps",
-    "scale": "one decode step of a Llama-3-8B-shaped model against the weight-read floor",
-}
 MISSING = "\N{EN DASH}"
 """What a table shows where a figure does not apply."""
 
 
 def scenario_module(name: str) -> ModuleType:
     return importlib.import_module(f".bench_{name}", __package__)
-
-
-def add_arguments(sub: Any) -> None:
-    bench = sub.add_parser("bench", help="benchmark scenarios (JSON, markdown table, plot)")
-    scenarios = bench.add_subparsers(dest="scenario", required=True)
-    for name, help_text in SCENARIOS.items():
-        module = scenario_module(name)
-        p = scenarios.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
-        module.add_arguments(p)
-        p.add_argument("--out", default=f"bench-results/{name}", help="folder for the JSON, markdown and PNG")
-
-
-# --- flags the scenarios share ------------------------------------------------------------
-
-
-def engine_flags(p: argparse.ArgumentParser, *, model: str | None = "smollm2-135m", max_num_seqs: int = 64,
-                 max_model_len: int | None = 2048, dtype: str | None = None, process: bool = True) -> None:
-    p.add_argument("--model", default=model,
-                   help=f"built-in name, GGUF file, safetensors folder or random:PRESET (default: {model})")
-    p.add_argument("--platform", default=None)
-    p.add_argument("--dtype", default=dtype, help="float32 makes speculative and plain greedy runs bit-comparable")
-    p.add_argument("--enforce-eager", action="store_true", help="never replay captured device graphs")
-    p.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
-    p.add_argument("--max-model-len", type=int, default=max_model_len)
-    if process:
-        p.add_argument("--process", action="store_true",
-                       help="run the engine core in its own process (default: in-process)")
-
-
-def speculator_flags(p: argparse.ArgumentParser, default_help: str) -> None:
-    p.add_argument("--speculator", action="append", default=None, help=f"speculator to measure ({default_help})")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--draft-model", default=None)
-    p.add_argument("--speculator-option", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--adaptive-speculation", action="store_true",
-                   help="let measured step times turn drafting off where it does not pay")
-
-
-def int_list(text: str) -> list[int]:
-    """`1,4,16` → [1, 4, 16] (argparse type)."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
 
 
 def base_config(args: argparse.Namespace) -> EngineConfig:

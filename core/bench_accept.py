@@ -14,18 +14,10 @@ import anyio
 from tqdm import tqdm
 
 from .async_engine import AsyncEngine
-from .bench import base_config, engine_flags, header, speculator_flags, with_speculator
+from .bench import base_config, header, with_speculator
 from .config import EngineConfig
 from .datasets import humaneval_messages
 from .sampling_params import SamplingParams
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    speculator_flags(p, "repeatable; default: ngram and draft_model")
-    p.add_argument("--label", default=None, help="name of the speculative runs in the table")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--limit", type=int, default=None, help="first N prompts only")
-    engine_flags(p)
 
 
 async def run_one(config: EngineConfig, conversations: list[list[dict[str, str]]],

@@ -24,41 +24,14 @@ from .bench import (
     base_config,
     cell,
     device_name,
-    engine_flags,
     header,
-    int_list,
     preamble,
     ratio,
-    speculator_flags,
     with_speculator,
 )
 from .bench_streams import chat_prompts, identical, run_streams, warm_up
 from .platform import parse_dtype
 from .sampling_params import SamplingParams
-
-MODES = ("inprocess", "process")
-
-
-def mode_list(text: str) -> list[str]:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise argparse.ArgumentTypeError(f"expected modes from {', '.join(MODES)}, got {text!r}")
-    return modes
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    speculator_flags(p, "repeatable; default: ngram")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--num-prompts", type=int, default=10,
-                   help="prompts at batch 1; concurrency C runs max(C, this) prompts")
-    p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64],
-                   help="comma-separated; 1 is batch 1 (default: 1,4,16,64)")
-    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peers")
-    p.add_argument("--modes", type=mode_list, default=None,
-                   help="engine-core placements to measure, e.g. inprocess,process (default: inprocess, "
-                        "or process with --process)")
-    engine_flags(p)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

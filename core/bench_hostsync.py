@@ -16,23 +16,10 @@ import msgspec
 
 from . import plugins
 from .async_engine import AsyncEngine
-from .bench import base_config, cell, device_name, engine_flags, header, int_list, preamble, ratio, with_speculator
+from .bench import base_config, cell, device_name, header, preamble, ratio, with_speculator
 from .bench_streams import chat_prompts, identical, run_streams, warm_up
 from .errors import InvalidInputError
 from .sampling_params import SamplingParams
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculator", default="draft_model", help="a fixed-width speculator (default: draft_model)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--draft-model", default=None)
-    p.add_argument("--speculator-option", action="append", default=None, metavar="KEY=VALUE",
-                   help="repeatable (default for draft_model: num_layers=4, a cheap self-drafter)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, default=10,
-                   help="prompts at batch 1; concurrency C runs max(C, this) prompts")
-    p.add_argument("--concurrency", type=int_list, default=[1, 16], help="comma-separated (default: 1,16)")
-    engine_flags(p)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -20,26 +20,15 @@ from .bench import (
     base_config,
     cell,
     device_name,
-    engine_flags,
     header,
-    int_list,
     preamble,
     ratio,
-    speculator_flags,
     with_speculator,
 )
 from .bench_streams import run_streams, warm_up
 from .datasets import humaneval_prompts
 from .errors import InvalidInputError
 from .sampling_params import SamplingParams
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    speculator_flags(p, "repeatable; default: ngram")
-    p.add_argument("--prompt-tokens", type=int, default=1200, help="tokens per prompt")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--concurrency", type=int_list, default=[1, 16], help="comma-separated (default: 1,16)")
-    engine_flags(p)
 
 
 def long_prompts(stream: list[int], length: int, n: int) -> list[list[int]]:

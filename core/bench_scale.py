@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from . import plugins
-from .bench import device_name, engine_flags, header, preamble, ratio
+from .bench import device_name, header, preamble, ratio
 from .config import EngineConfig
 from .engine_core import EngineCore
 from .messages import AddRequest
@@ -31,20 +31,6 @@ from .models.synthetic import is_random
 from .sampling_params import SamplingParams
 
 DEFAULT_MODELS = ["random:llama3-8b", "smollm2-135m"]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    engine_flags(p, model=None, max_num_seqs=1, max_model_len=None, dtype="bfloat16", process=False)
-    p.add_argument("--compare", action="append", default=None,
-                   help="further models timed the same way (repeatable; default: smollm2-135m after the "
-                        "default model, none after a --model)")
-    p.add_argument("--layers", type=int, default=None, help="override the layer count of random:... models")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--warmup-steps", type=int, default=8)
-    p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--copy-mib", type=int, default=None, help="size of the timed copy (default: 4096 MiB on "
-                   "an accelerator, 256 on the CPU)")
-    p.add_argument("--copy-repeats", type=int, default=10)
 
 
 def step_bytes(cfg: ModelConfig, element_size: int, context: int) -> tuple[int, int]:

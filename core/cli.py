@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     sampling_args(chat, 512)
     plugins = sub.add_parser("plugins", help="list discovered speculators, platforms and transports")
     plugins.add_argument("--json", action="store_true")
-    from .bench import add_arguments
+    from .bench_cli import add_arguments
 
     add_arguments(sub)
     return parser

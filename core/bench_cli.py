@@ -1,0 +1,130 @@
+"""The `speckernel bench` command line: every scenario's flags, defined without importing the
+scenarios (so the CLI starts without torch); `bench.main` imports the one that runs."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+SCENARIOS = {
+    "accept": "acceptance per speculator on HumanEval",
+    "decode": "decode speed at batch 1 and under concurrency, per speculator, next to HF transformers",
+    "hostsync": "a fixed-width speculator with and without copying draft IDs to the host",
+    "prefill": "prefill-only requests with and without K=0 steps",
+    "scale": "one decode step of a Llama-3-8B-shaped model against the weight-read floor",
+}
+
+
+MODES = ("inprocess", "process")
+
+
+def mode_list(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"expected modes from {', '.join(MODES)}, got {text!r}")
+    return modes
+
+
+def engine_flags(p: argparse.ArgumentParser, *, model: str | None = "smollm2-135m", max_num_seqs: int = 64,
+                 max_model_len: int | None = 2048, dtype: str | None = None, process: bool = True) -> None:
+    p.add_argument("--model", default=model,
+                   help=f"built-in name, GGUF file, safetensors folder or random:PRESET (default: {model})")
+    p.add_argument("--platform", default=None)
+    p.add_argument("--dtype", default=dtype, help="float32 makes speculative and plain greedy runs bit-comparable")
+    p.add_argument("--enforce-eager", action="store_true", help="never replay captured device graphs")
+    p.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
+    p.add_argument("--max-model-len", type=int, default=max_model_len)
+    if process:
+        p.add_argument("--process", action="store_true",
+                       help="run the engine core in its own process (default: in-process)")
+
+
+def speculator_flags(p: argparse.ArgumentParser, default_help: str) -> None:
+    p.add_argument("--speculator", action="append", default=None, help=f"speculator to measure ({default_help})")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--speculator-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--adaptive-speculation", action="store_true",
+                   help="let measured step times turn drafting off where it does not pay")
+
+
+def int_list(text: str) -> list[int]:
+    """`1,4,16` → [1, 4, 16] (argparse type)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def accept_arguments(p: argparse.ArgumentParser) -> None:
+    speculator_flags(p, "repeatable; default: ngram and draft_model")
+    p.add_argument("--label", default=None, help="name of the speculative runs in the table")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    engine_flags(p)
+
+
+def decode_arguments(p: argparse.ArgumentParser) -> None:
+    speculator_flags(p, "repeatable; default: ngram")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--num-prompts", type=int, default=10,
+                   help="prompts at batch 1; concurrency C runs max(C, this) prompts")
+    p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64],
+                   help="comma-separated; 1 is batch 1 (default: 1,4,16,64)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peers")
+    p.add_argument("--modes", type=mode_list, default=None,
+                   help="engine-core placements to measure, e.g. inprocess,process (default: inprocess, "
+                        "or process with --process)")
+    engine_flags(p)
+
+
+def hostsync_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculator", default="draft_model", help="a fixed-width speculator (default: draft_model)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--speculator-option", action="append", default=None, metavar="KEY=VALUE",
+                   help="repeatable (default for draft_model: num_layers=4, a cheap self-drafter)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=10,
+                   help="prompts at batch 1; concurrency C runs max(C, this) prompts")
+    p.add_argument("--concurrency", type=int_list, default=[1, 16], help="comma-separated (default: 1,16)")
+    engine_flags(p)
+
+
+def prefill_arguments(p: argparse.ArgumentParser) -> None:
+    speculator_flags(p, "repeatable; default: ngram")
+    p.add_argument("--prompt-tokens", type=int, default=1200, help="tokens per prompt")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--concurrency", type=int_list, default=[1, 16], help="comma-separated (default: 1,16)")
+    engine_flags(p)
+
+
+def scale_arguments(p: argparse.ArgumentParser) -> None:
+    engine_flags(p, model=None, max_num_seqs=1, max_model_len=None, dtype="bfloat16", process=False)
+    p.add_argument("--compare", action="append", default=None,
+                   help="further models timed the same way (repeatable; default: smollm2-135m after the "
+                        "default model, none after a --model)")
+    p.add_argument("--layers", type=int, default=None, help="override the layer count of random:... models")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--copy-mib", type=int, default=None, help="size of the timed copy (default: 4096 MiB on "
+                   "an accelerator, 256 on the CPU)")
+    p.add_argument("--copy-repeats", type=int, default=10)
+
+
+ARGUMENTS = {"accept": accept_arguments, "decode": decode_arguments, "hostsync": hostsync_arguments,
+             "prefill": prefill_arguments, "scale": scale_arguments}
+
+
+def add_arguments(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmark scenarios (JSON, markdown table, plot)")
+    scenarios = bench.add_subparsers(dest="scenario", required=True)
+    for name, help_text in SCENARIOS.items():
+        p = scenarios.add_parser(name, help=help_text, description=help_text)
+        ARGUMENTS[name](p)
+        p.add_argument("--out", default=f"bench-results/{name}", help="folder for the JSON, markdown and PNG")
