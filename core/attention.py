@@ -157,10 +157,9 @@ class PagedAttention:
         self.device = device
         self.pin_host = pin_host
         self.max_blocks = max_blocks
-        rows = max(1, max_rows)
-        self.buffer = torch.empty(3 * max(1, max_tokens) + 2 * rows + 1 + rows * max(1, max_blocks),
-                                  dtype=torch.int64, device=device)
+        self.buffer = torch.empty(0, dtype=torch.int64, device=device)
         """The latest step's plan; grows (doubling) for a bigger one."""
+        self.reserve(max(1, max_tokens), max(1, max_rows), 0, 0)
         self._ring: list[tuple[torch.Tensor, torch.Event | None]] = []
         self._turn = 0
 

@@ -228,6 +228,7 @@ class EngineCore:
         return self._apply(self.execute(frame), frame, started)
 
     def _apply(self, result: StepResult, frame: StepFrame | None = None, started: float = 0.0) -> list[RequestDelta]:
+        """Applies a step's result; with its frame and launch time, the governor learns from it."""
         self.num_steps += 1
         before = self.ledger.num_generated_tokens
         deltas = self.ledger.apply(result)
@@ -275,8 +276,7 @@ class EngineCore:
         # Run ahead only when requests can: a speculative request waits for its frame, and a
         # second frame would then hold only the rest of the batch, halving every step.
         depth = 2 if self.scheduler.async_scheduling and self.scheduler.spec is None else 1
-        in_flight: deque[Future[PendingStep]] = deque()
-        launched: deque[tuple[StepFrame, float]] = deque()
+        in_flight: deque[tuple[StepFrame, float, Future[PendingStep]]] = deque()
         runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speckernel-runner")
         try:
             while self.running:
@@ -289,15 +289,14 @@ class EngineCore:
                     break
                 while len(in_flight) < depth and (frame := self.scheduler.schedule()) is not None:
                     self.ledger.submit(frame)
-                    launched.append((frame, time.perf_counter()))
-                    in_flight.append(runner.submit(self.runner.launch, frame))
+                    in_flight.append((frame, time.perf_counter(), runner.submit(self.runner.launch, frame)))
                 if not in_flight:
                     if not self.inbox:
                         await self.wakeup.wait()
                     self.wakeup = anyio.Event()
                     continue
-                result = await anyio.to_thread.run_sync(_finish, in_flight.popleft())
-                frame, started = launched.popleft()
+                frame, started, launched = in_flight.popleft()
+                result = await anyio.to_thread.run_sync(_finish, launched)
                 deltas = self._apply(result, frame, started)
                 if deltas:
                     await emit(CoreOutputs(deltas))

@@ -121,7 +121,6 @@ class ModelRunner:
 
     # --- launching -------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, frame: StepFrame) -> StepResult:
         return self.launch(frame).result()
 
@@ -179,8 +178,9 @@ class ModelRunner:
                          any_filter=any(s.top_k > 0 or s.top_p < 1.0 for s in sampling),
                          decode_like=all(r.sampling is not None and r.num_tokens == 1 + r.num_drafts for r in rows))
 
-    def plan(self, frame: StepFrame, shape: StepShape, padded: StepShape | None) -> AttentionMetadata:
-        """Packs the step's plan and sends it to the device in one copy."""
+    def plan(self, frame: StepFrame, padded: StepShape | None) -> AttentionMetadata:
+        """Packs the step's plan (padded to a captured shape, if given) and sends it to the device
+        in one copy."""
         rows = frame.rows
         extra = np.zeros((len(rows), ROW_FIELDS), np.int64)
         floats = extra.view(np.float64)
@@ -253,7 +253,7 @@ class ModelRunner:
         rows = frame.rows
         shape = self.step_shape(frame)
         padded = self.graphs.padded(shape) if self.graphs is not None else None
-        meta = self.plan(frame, shape, padded)
+        meta = self.plan(frame, padded)
         self.write_host_tokens(meta)
         if padded is not None:
             assert self.graphs is not None

@@ -63,7 +63,7 @@ class StepGraphs:
         shapes = self.shapes()
         for shape in tqdm(shapes, desc="capturing device graphs", unit="graph", file=sys.stderr, disable=None,
                           leave=False):
-            meta = self.runner.plan(StepFrame(-1, []), shape, shape)
+            meta = self.runner.plan(StepFrame(-1, []), shape)
             self.graphs[shape] = self._record(meta, shape)
         self.platform.synchronize()
         self.buffer_ptr = self._buffer_ptr()

@@ -18,7 +18,7 @@ from torch import nn
 from .. import fused_ops
 from ..attention import AttentionMetadata
 from .config import ModelConfig
-from .rope import apply_rope, cos_sin_table
+from .rope import cos_sin_table
 
 
 class RMSNorm(nn.Module):
@@ -28,10 +28,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return fused_ops.rms_norm_torch(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -58,10 +55,7 @@ class Attention(nn.Module):
         q, k, v = q.view(t, self.nh, self.hd), k.view(t, self.nkv, self.hd), v.view(t, self.nkv, self.hd)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if fused:
-            q, k = fused_ops.rope(q, k, cos, sin)
-        else:
-            q, k = apply_rope(q, cos, sin).to(x.dtype), apply_rope(k, cos, sin).to(x.dtype)
+        q, k = (fused_ops.rope if fused else fused_ops.rope_torch)(q, k, cos, sin)
         out = meta.backend.forward(q, k, v, kv, meta, self.scale)
         return self.o(out.reshape(t, self.nh * self.hd))
 
@@ -73,10 +67,7 @@ class MLP(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        if fused:
-            return self.down(fused_ops.silu_mul(self.gate_up(x)))
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down((fused_ops.silu_mul if fused else fused_ops.silu_mul_torch)(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
