@@ -42,7 +42,8 @@ started=$SECONDS
     --temperature 0 --json --platform cuda
   echo "== GPU-side tests (Triton kernels for real, graphs vs eager, no host sync, sampling, verification)"
   timeout 300 python3 -m pytest -q tests/test_gpu_fast_path.py tests/test_step_graphs.py \
-    tests/test_platform_contract.py ${GPU_TESTS:-} -p no:cacheprovider 2>&1 | tail -40
+    tests/test_platform_contract.py tests/test_triton_kernels.py tests/test_sampler.py tests/test_verify.py \
+    -p no:cacheprovider 2>&1 | tail -40
 } > "$work/cuda_checks.txt" 2>&1
 timings+=("cuda_checks $(( SECONDS - started ))")
 tail -5 "$work/cuda_checks.txt"
