@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One GPU run: check the CUDA path, run the GPU-side tests, then the benchmark scenarios (scale,
-# decode with the HF transformers peers, hostsync, prefill, accept in each of $DTYPES), and last
+# decode with the HF transformers peers (its own limit: $DECODE_TIMEOUT, default 360 s), hostsync,
+# prefill, accept in each of $DTYPES), and last
 # a short summary table of all of them (summary.md).
 # Optional: $MODEL (the default GGUF) and $HUMANEVAL (HumanEval.jsonl.gz) for machines without
 # PyPI; $DTYPES (default "float32 bfloat16"; empty: no accept runs); $PART_TIMEOUT (seconds per
 # scenario, default 240); $WORK (where the parts go, default $1/parts); PACK=1 also packs the parts
 # into $1/results.tar.gz after each one (for runners that fetch few files: point WORK elsewhere);
-# $PARTS (default: all) names the scenarios to run, e.g. "decode decode_hf".
-# Writes under $1 (default ./gpu-out): the parts (cuda_checks.txt, one folder per scenario) and summary.md.
+# $PARTS (default: all) names the parts to run, e.g. "checks decode scale".
+# Writes under $1 (default ./gpu-out): the parts (cuda_checks.txt, one folder and one log per scenario)
+# and summary.md.
 set -uo pipefail
 out=${1:-gpu-out}
 mkdir -p "$out"
@@ -30,12 +32,13 @@ bench() {  # bench NAME ARGS...: one scenario into $work/NAME, its table's tail 
   shift
   case " ${PARTS:-$name} " in *" $name "*) ;; *) return ;; esac
   echo "== bench $name $*"
-  timeout "$limit" python3 -m speckernel.cli bench "$@" --out "$work/$name" 2>&1 | tail -n 12
+  timeout "$limit" python3 -m speckernel.cli bench "$@" --out "$work/$name" > "$work/$name.log" 2>&1
+  tail -n 12 "$work/$name.log"
   timings+=("$name $(( SECONDS - started ))")
   pack
 }
 started=$SECONDS
-{
+case " ${PARTS:-checks} " in *" checks "*) {
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   echo "== generate, cuda, no speculation"
   timeout 120 python3 -m speckernel.cli generate --raw --prompt "The three primary colors are" --max-tokens 48 \
@@ -47,16 +50,15 @@ started=$SECONDS
 } > "$work/cuda_checks.txt" 2>&1
 timings+=("cuda_checks $(( SECONDS - started ))")
 tail -5 "$work/cuda_checks.txt"
-pack
-bench decode decode --platform cuda --dtype bfloat16 --max-tokens 256 --num-prompts 10 --concurrency 1,4,16,64 \
-  --speculator ngram --no-hf
+pack ;;
+esac
+limit=${DECODE_TIMEOUT:-360} bench decode decode --platform cuda --dtype bfloat16 --max-tokens 256 --num-prompts 10 \
+  --concurrency 1,4,16,64 --speculator ngram
 bench scale scale --platform cuda
-bench decode_hf decode --platform cuda --dtype bfloat16 --max-tokens 128 --num-prompts 4 --concurrency 1 \
-  --speculator ngram
 bench decode_adaptive decode --platform cuda --dtype bfloat16 --max-tokens 256 --num-prompts 10 \
   --concurrency 16,64 --speculator ngram --no-hf --adaptive-speculation
-bench hostsync hostsync --platform cuda --max-tokens 128 --num-prompts 4 --concurrency 1,16
-bench prefill prefill --platform cuda --speculator ngram --prompt-tokens 1200 --num-prompts 16 --concurrency 1,16
+bench hostsync hostsync --platform cuda --speculator ngram --max-tokens 256 --num-prompts 10 --concurrency 1,16
+bench prefill prefill --platform cuda --speculator ngram --prompt-tokens 1200 --num-prompts 64 --concurrency 1,16
 for dtype in $dtypes; do
   bench "accept_$dtype" accept --platform cuda --dtype "$dtype" --max-tokens 256
 done
@@ -83,7 +85,7 @@ if (r := load("scale")):
     for m in r["models"]:
         rows.append(("scale", m["model"], f"step {m['step_p50_ms']:.2f} ms, floor {m['floor_ms']:.2f} ms "
                      f"({m['step_over_floor']:.1f}x) at {r['copy_bandwidth_gb_s']:.0f} GB/s"))
-for r in (load("decode"), load("decode_hf"), load("decode_adaptive")):
+for r in (load("decode"), load("decode_adaptive")):
     if not r:
         continue
     for run in r["runs"]:

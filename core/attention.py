@@ -23,6 +23,9 @@ import torch.nn.functional as F
 Chunk = tuple[int, int, Sequence[int]]
 """(start_pos, num_new_tokens, block_ids) of one sequence in a step."""
 
+ALIGN = 2
+"""int64 elements per 16 bytes: where each view of the plan buffer starts."""
+
 SHORT_QUERY = 16
 """Rows with at most this many new tokens (decode, verify) are batched in one padded group."""
 
@@ -149,6 +152,9 @@ class PagedAttention:
 
     supports_padding = True
     """Padding tokens (slot -1) are skipped by forward()."""
+    device_planned = True
+    """forward() reads nothing but the plan buffer, so the runner may move a row's positions,
+    cache slots and context length on the device (run-ahead) after prepare()."""
     STAGING_RING = 4
 
     def __init__(self, block_size: int, max_tokens: int, device: torch.device, pin_host: bool = False,
@@ -194,7 +200,7 @@ class PagedAttention:
         """Grows the buffer now to fit any step up to these sizes, so it never moves later
         (device graphs read it where it was when they were captured)."""
         width = max(1, self.max_blocks)
-        need = 3 * num_tokens + (num_rows + 1) + num_rows * (1 + row_fields + width) + tail
+        need = 3 * num_tokens + (num_rows + 1) + num_rows * (1 + row_fields + width) + tail + ALIGN * 8
         if need > self.capacity:
             self.buffer = torch.empty(need, dtype=torch.int64, device=self.device)
 
@@ -211,12 +217,14 @@ class PagedAttention:
         e = 0 if row_extra is None else row_extra.shape[1]
         n_tail = 0 if tail is None else len(tail)
         sizes = [t, t, t, r + 1, r, r * e, r * width, n_tail]
-        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        # Every view starts 16-byte aligned: Triton compiles a kernel variant per pointer
+        # alignment, and offsets that moved with the token count would compile new ones mid-serving.
+        offsets = np.concatenate([[0], np.cumsum([-(-n // ALIGN) * ALIGN for n in sizes])])
         total = int(offsets[-1])
         staging = self._staging(total)
         host = staging.numpy()
         positions, slots, token_rows, query_start, seq_lens, extra, tables, tail_view = (
-            host[offsets[i] : offsets[i + 1]] for i in range(len(sizes)))
+            host[offsets[i] : offsets[i] + sizes[i]] for i in range(len(sizes)))
         query_start[0] = 0
         np.cumsum(lens, out=query_start[1 : real_r + 1])
         query_start[real_r + 1 :] = real_t
@@ -244,7 +252,7 @@ class PagedAttention:
         on_device = self.buffer[:total]
         on_device.copy_(staging, non_blocking=self.pin_host)
         self._copied()
-        views = [on_device[offsets[i] : offsets[i + 1]] for i in range(len(sizes))]
+        views = [on_device[offsets[i] : offsets[i] + sizes[i]] for i in range(len(sizes))]
         meta = AttentionMetadata(
             positions=views[0], slot_mapping=views[1], token_rows=views[2], query_start=views[3],
             seq_lens=views[4], block_tables=views[6].view(r, width),
@@ -270,6 +278,7 @@ class TorchPagedAttention(PagedAttention):
     padding: device graphs run on a backend whose kernels read the block tables themselves."""
 
     supports_padding = False
+    device_planned = False
 
     def plan(self, meta: AttentionMetadata, chunks: Sequence[Chunk], starts: np.ndarray, lens: np.ndarray,
              tables: np.ndarray) -> None:

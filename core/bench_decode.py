@@ -58,7 +58,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 if not prompts:  # the engine's own chat template and tokenizer, for HF too
                     prompts = chat_prompts(engine, max(sizes.values()))
                     eos_ids, info = engine.tokenizer.eos_token_ids, engine.info
-                await warm_up(engine, prompts[0], params)
+                await warm_up(engine, prompts, params, tuple(sizes))
                 for c, n in sizes.items():
                     r = await run_streams(engine, prompts[:n], params, c, f"{mode} {label} c={c}")
                     runs.append({"mode": mode, "speculator": label, "engine_start_s": start_s} | r)

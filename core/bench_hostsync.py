@@ -1,6 +1,7 @@
 """hostsync: what keeping draft IDs on the device saves. A fixed-width speculator needs no host
-copy of its drafts; `EngineConfig.force_host_drafts` makes the engine copy them after every
-drafting step anyway, as a variable-width speculator must. Both settings run the same greedy
+copy of its drafts, nor does a variable-width one where steps are planned on the device (its
+drafts are padded there); `EngineConfig.force_host_drafts` makes the engine copy them after every
+drafting step anyway, as a variable-width speculator must on the CPU. Both settings run the same greedy
 HumanEval requests at batch 1 and at a concurrency: target steps/s, tokens/s, host draft copies,
 and the ratio of keeping the drafts on the device to copying them.
 """
@@ -23,9 +24,12 @@ from .sampling_params import SamplingParams
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    if plugins.load("speculator", args.speculator).capabilities.draft_width != "fixed":
-        raise InvalidInputError(f"hostsync needs a fixed-width speculator; {args.speculator!r} drafts a variable "
-                                "number of tokens, so its drafts always travel to the host")
+    platform = plugins.pick_platform(args.platform)
+    if (plugins.load("speculator", args.speculator).capabilities.draft_width != "fixed"
+            and not getattr(platform.attention_backend(16, 16), "device_planned", False)):
+        raise InvalidInputError(f"hostsync: {args.speculator!r} drafts a variable number of tokens, which travel to "
+                                f"the host on {platform.name} (its steps are planned on the host); take a "
+                                "fixed-width speculator")
     if args.speculator_option is None:  # the default options, recorded in the report as if given
         args = argparse.Namespace(**vars(args) | {
             "speculator_option": ["num_layers=4"] if args.speculator == "draft_model" else []})
@@ -43,7 +47,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if not prompts:
                 prompts = chat_prompts(engine, max(sizes.values()))
                 info = engine.info
-            await warm_up(engine, prompts[0], params)
+            await warm_up(engine, prompts, params, tuple(sizes))
             for c, n in sizes.items():
                 r = await run_streams(engine, prompts[:n], params, c, f"force_host_drafts={force} c={c}")
                 runs.append({"force_host_drafts": force, "engine_start_s": start_s} | r)

@@ -58,7 +58,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                           for t in engine.tokenizer.encode(text, add_special_tokens=False)]
                 prompts = long_prompts(stream, args.prompt_tokens, args.num_prompts)
                 info = engine.info
-            await warm_up(engine, prompts[0], params)
+            await warm_up(engine, prompts, params, tuple(args.concurrency))
             for c in args.concurrency:
                 r = await run_streams(engine, prompts, params, c, f"{name} skip_drafts={skip} c={c}")
                 r.pop("outputs")

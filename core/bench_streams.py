@@ -28,12 +28,21 @@ def chat_prompts(engine: AsyncEngine, n: int) -> list[list[int]]:
     return [engine.encode_chat(conversations[i % len(conversations)]) for i in range(n)]
 
 
-async def warm_up(engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> None:
-    """One short request first, so that lazy initialisation (kernels compiled or tuned on first
-    use, allocator growth) is not charged to the first measured request."""
+async def warm_up(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
+                  concurrencies: tuple[int, ...] = (1,)) -> None:
+    """Short requests first, at each concurrency to be measured, so that lazy initialisation
+    (kernels compiled for a new batch shape on first use, allocator growth) is not charged to
+    the first measured requests."""
     warm = SamplingParams(max_tokens=min(params.max_tokens, 8), temperature=0.0, ignore_eos=params.ignore_eos)
-    async for _ in engine.generate(prompt, warm):
-        pass
+
+    async def one(prompt: list[int]) -> None:
+        async for _ in engine.generate(prompt, warm):
+            pass
+
+    for c in sorted(set(concurrencies)):
+        async with anyio.create_task_group() as tg:
+            for i in range(c):
+                tg.start_soon(one, prompts[i % len(prompts)])
 
 
 def spec_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -51,6 +60,8 @@ async def run_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sam
     outputs: list[list[int]] = [[] for _ in prompts]
     ttft: list[float] = []
     tpot: list[float] = []
+    spans: list[tuple[float, float]] = []
+    requests: list[list[float]] = []
     pending = iter(range(len(prompts)))
     bar = tqdm(total=len(prompts), desc=desc, unit="req", file=sys.stderr, disable=None)
 
@@ -62,6 +73,9 @@ async def run_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sam
             assert out is not None and out.timing is not None
             outputs[i] = out.token_ids
             t = out.timing
+            spans.append((t.arrival, time.monotonic()))
+            requests.append([round(x, 3) for x in (ms(t.first_token - t.arrival) if t.first_token else 0.0,
+                                                   ms(spans[-1][1] - t.arrival), len(out.token_ids))])
             if t.first_token is not None:
                 ttft.append(t.first_token - t.arrival)
                 if t.finished is not None and len(out.token_ids) > 1:
@@ -85,17 +99,32 @@ async def run_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sam
         "prompt_tokens": prompt_tokens,
         "generated_tokens": generated,
         "elapsed_s": elapsed,
+        "idle_s": idle_time(spans, started, started + elapsed),
         "tokens_per_s": generated / elapsed,
         "prefill_tokens_per_s": prompt_tokens / elapsed,
         "tpot_p50_ms": ms(percentile(tpot, 50)),
         "tpot_p99_ms": ms(percentile(tpot, 99)),
         "ttft_p50_ms": ms(percentile(ttft, 50)),
+        "ttft_max_ms": ms(max(ttft, default=None)),
         "num_steps": steps,
         "steps_per_s": steps / elapsed,
         "num_graph_steps": after.get("num_graph_steps", 0) - before.get("num_graph_steps", 0),
         "spec": spec_delta(before["spec"], after["spec"]),
         "outputs": outputs,
+        "requests": requests,  # per request, in finishing order: TTFT ms, time in flight ms, tokens
     }
+
+
+def idle_time(spans: list[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of [start, end] when no request was in flight (between requests at batch 1: what
+    the frontend and the benchmark loop cost, not the engine's steps)."""
+    busy, reach = 0.0, start
+    for lo, hi in sorted(spans):
+        lo, hi = max(lo, reach), min(hi, end)
+        if hi > lo:
+            busy += hi - lo
+            reach = hi
+    return max(0.0, end - start - busy)
 
 
 def identical(a: list[list[int]], b: list[list[int]]) -> int:

@@ -90,18 +90,27 @@ class EngineCore:
         max_blocks = -(-(self.max_model_len + lookahead + k + 1) // config.block_size)
         attention = self.platform.attention_backend(config.block_size, config.max_num_batched_tokens,
                                                     max_rows=config.max_num_seqs + 1, max_blocks=max_blocks)
+        # Where the plan lives on the device, a step verifies K slots whatever the drafts (graphs
+        # pad to K anyway): variable-width drafts are padded with -1 there instead of copied to
+        # the host, and a device-only speculator's requests run ahead of their accepted counts.
+        device_planned = getattr(attention, "device_planned", False)
+        caps = spec_cls.capabilities if spec_cls is not None else None
+        variable_width = caps is not None and caps.draft_width == "variable" and not device_planned
+        run_ahead = (caps is not None and caps.device_only and device_planned and config.async_scheduling
+                     and not variable_width)
         self.runner = ModelRunner(model, self.platform.device, num_blocks, config.block_size, attention,
                                   num_slots=config.max_num_seqs, max_model_len=self.max_model_len,
                                   speculator=self.speculator, max_k=k, use_triton=self.platform.capabilities.triton,
                                   force_host_drafts=config.force_host_drafts,
-                                  max_num_tokens=config.max_num_batched_tokens)
+                                  max_num_tokens=config.max_num_batched_tokens, run_ahead=run_ahead)
         if self.platform.capabilities.triton:
             model.use_triton_ops(True)
         if (self.platform.capabilities.supports_graphs and not config.enforce_eager
                 and getattr(attention, "supports_padding", False)):
             from .step_graphs import StepGraphs
 
-            graphs = StepGraphs(self.runner, self.platform, config.max_num_seqs, (0, k))
+            graphs = StepGraphs(self.runner, self.platform, config.max_num_seqs, (0, k),
+                                draft_ks=(0, k) if caps is not None and caps.device_only else (0,))
             try:
                 graphs.capture()
                 self.runner.graphs = graphs
@@ -109,7 +118,7 @@ class EngineCore:
                 self.log.exception("graph_capture_failed")
         policy = None if spec_cls is None else SpecPolicy(
             num_speculative_tokens=k, lookahead_slots=lookahead,
-            variable_width=spec_cls.capabilities.draft_width == "variable", skip_drafts=config.skip_drafts)
+            variable_width=variable_width, skip_drafts=config.skip_drafts, run_ahead=run_ahead)
         self.scheduler = Scheduler(BlockManager(num_blocks, config.block_size),
                                    config.max_num_seqs, config.max_num_batched_tokens, policy,
                                    async_scheduling=config.async_scheduling)
@@ -273,9 +282,10 @@ class EngineCore:
         One runner thread executes frames in order. With async scheduling the next frame is
         scheduled and queued while the current one runs; results are applied in step order."""
         self.wakeup = anyio.Event()
-        # Run ahead only when requests can: a speculative request waits for its frame, and a
-        # second frame would then hold only the rest of the batch, halving every step.
-        depth = 2 if self.scheduler.async_scheduling and self.scheduler.spec is None else 1
+        # Run ahead only when requests can: a speculative request without run-ahead waits for its
+        # frame, and a second frame would then hold only the rest of the batch, halving every step.
+        spec = self.scheduler.spec
+        depth = 2 if self.scheduler.async_scheduling and (spec is None or spec.run_ahead) else 1
         in_flight: deque[tuple[StepFrame, float, Future[PendingStep]]] = deque()
         runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speckernel-runner")
         try:

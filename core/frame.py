@@ -42,6 +42,9 @@ class ScheduledRow(msgspec.Struct, frozen=True, array_like=True):
     prev_step_id: int = -1
     """The step whose device output (placeholder input, drafts) this row reads; -1 if none. The
     runner refuses the row if that step did not complete for this (slot, generation)."""
+    shifted: bool = False
+    """Run-ahead: planned while prev_step_id was in flight, as if it accepted all its drafts;
+    the device moves the row back by the drafts that step rejected."""
 
     @property
     def num_drafts(self) -> int:

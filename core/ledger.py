@@ -55,6 +55,7 @@ class Ledger:
             self.num_async_rows += sched_row.num_placeholder_inputs > 0
             req.in_flight -= 1
             req.num_placeholders -= sched_row.sampling is not None
+            req.num_unverified -= sched_row.num_drafts if sched_row.sampling is not None else 0
             if row.error is not None:
                 self.scheduler.finish(req, "error")
                 deltas.append(RequestDelta(req.key, [], "error", row.error))
@@ -77,7 +78,9 @@ class Ledger:
                 self.scheduler.finish(req, reason)
                 deltas.append(RequestDelta(req.key, new, reason, stats=req.spec.summary()))
                 continue
-            if row.next_draft_ids is not None:
+            if req.in_flight:
+                pass  # a run-ahead successor in flight already took (or skipped) these drafts
+            elif row.next_draft_ids is not None:
                 req.draft_token_ids = row.next_draft_ids
             else:
                 req.num_draft_slots = row.num_next_drafts

@@ -7,9 +7,13 @@ device: input ids gathered from the token buffer, logit positions, draft ids, wh
 go. So the device part of a step has fixed shapes once padded, and a captured graph
 (`StepGraphs`) replays it for every decode or verification step of its size.
 
-The only device-to-host transfer of a step without a speculator is its sampled tokens,
-copied into pinned memory behind an event: `launch` returns before the device has run the
-step, and `PendingStep.result` waits only when the ledger needs the tokens.
+The only device-to-host transfer of a step is its sampled tokens and accepted counts, copied
+into pinned memory behind an event: `launch` returns before the device has run the step, and
+`PendingStep.result` waits only when the ledger needs the tokens. A `device_only` speculator
+drafts inside the step (and its graph); its drafts stay on the device unless the host must see
+them. With run-ahead, a row scheduled before its predecessor's accepted counts reached the host
+is planned as if every draft was accepted (`ScheduledRow.shifted`), and the device moves it
+back by the drafts that predecessor rejected.
 
 A failure is scoped to rows: when launching a step raises, its rows run again one by one
 and only the rows that fail alone fail; a row whose predecessor step did not complete for its
@@ -42,8 +46,8 @@ if TYPE_CHECKING:
 log = logmod.get("runner")
 
 # Columns of the per-row plan the host sends with each step.
-SLOT, NUM_DRAFTS, OUT_POS, SAMPLES, SEED, POSITION, TOP_K, TEMPERATURE, TOP_P = range(9)
-ROW_FIELDS = 9
+SLOT, NUM_DRAFTS, OUT_POS, SAMPLES, SEED, POSITION, TOP_K, TEMPERATURE, TOP_P, SHIFTED = range(10)
+ROW_FIELDS = 10
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,8 @@ class StepShape:
     any_filter: bool
     decode_like: bool = False
     """Every row samples and has one input token plus its drafts (what graphs serve)."""
+    draft_k: int = 0
+    """Drafts a device-only speculator proposes after the step (0: its sync pass, or none)."""
 
 
 @dataclass
@@ -69,6 +75,8 @@ class DeviceOutputs:
     """[R, K + 2]: K + 1 output tokens (-1 padded), then the accepted count."""
     hidden: torch.Tensor
     captured: dict[int, torch.Tensor]
+    drafts: torch.Tensor | None = None
+    """[R, draft_k] what a device-only speculator proposed (-1 ends a row), already in the buffer."""
 
 
 class PendingStep:
@@ -88,7 +96,7 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, device: torch.device, num_blocks: int, block_size: int,
                  attention: AttentionBackend, num_slots: int, max_model_len: int,
                  speculator: Speculator | None = None, max_k: int = 0, use_triton: bool = False,
-                 force_host_drafts: bool = False, max_num_tokens: int = 0) -> None:
+                 force_host_drafts: bool = False, max_num_tokens: int = 0, run_ahead: bool = False) -> None:
         self.model = model
         self.device = device
         self.attention = attention
@@ -106,6 +114,11 @@ class ModelRunner:
         self.pool = TokenPool(num_slots + 1, max_model_len + max_k + 2, device)
         self.pool.tokens[num_slots] = 0  # padding rows read their inputs there: any valid id
         caps = speculator.capabilities if speculator is not None else None
+        self.device_spec = caps is not None and caps.device_only
+        self.run_ahead = run_ahead
+        """Rows may be shifted (planned before their predecessor's accepted counts were known)."""
+        self.rejected = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
+        """Per slot: drafts its latest step rejected, by which a shifted successor moves back."""
         self.hidden_layers = caps.target_hidden_layers if caps is not None else ()
         self.draft_probs: torch.Tensor | None = None
         if caps is not None and caps.sampled_drafts:
@@ -172,11 +185,17 @@ class ModelRunner:
         rows = frame.rows
         k = max((r.num_drafts for r in rows), default=0)
         sampling = [r.sampling for r in rows if r.sampling is not None]
+        draft_k = 0
+        if self.device_spec and sampling and frame.num_speculative_tokens:
+            assert self.speculator is not None
+            if not frame.skip_drafts or not self.speculator.capabilities.supports_k0:
+                draft_k = frame.num_speculative_tokens
         return StepShape(rows=len(rows), tokens=frame.num_tokens, k=k,
                          max_query_len=max((r.num_tokens for r in rows), default=0),
                          all_greedy=all(s.temperature == 0.0 for s in sampling),
                          any_filter=any(s.top_k > 0 or s.top_p < 1.0 for s in sampling),
-                         decode_like=all(r.sampling is not None and r.num_tokens == 1 + r.num_drafts for r in rows))
+                         decode_like=all(r.sampling is not None and r.num_tokens == 1 + r.num_drafts for r in rows),
+                         draft_k=draft_k)
 
     def plan(self, frame: StepFrame, padded: StepShape | None) -> AttentionMetadata:
         """Packs the step's plan (padded to a captured shape, if given) and sends it to the device
@@ -187,6 +206,7 @@ class ModelRunner:
         for i, r in enumerate(rows):
             s = r.sampling
             extra[i, :4] = (r.slot, r.num_drafts, r.start_pos + r.num_tokens - r.num_drafts, s is not None)
+            extra[i, SHIFTED] = r.shifted
             if s is not None:
                 extra[i, SEED:TOP_K + 1] = (s.seed, s.position, s.top_k)
                 floats[i, TEMPERATURE], floats[i, TOP_P] = s.temperature, s.top_p
@@ -221,9 +241,13 @@ class ModelRunner:
         device, with shapes fixed by `shape` (a graph captures exactly this)."""
         assert meta.row_extra is not None
         extra = meta.row_extra
+        if self.run_ahead:
+            self._move_back(meta)
         slot, num_drafts, out_pos = extra[:, SLOT], extra[:, NUM_DRAFTS], extra[:, OUT_POS]
         tokens = self.pool.tokens
-        input_ids = tokens[slot[meta.token_rows], meta.positions]
+        # -1 (a draft slot a variable-width speculator left empty) reads as any valid id: no
+        # output that depends on it is ever accepted.
+        input_ids = tokens[slot[meta.token_rows], meta.positions].clamp(min=0)
         hidden, captured = self.model.forward_with_hidden(input_ids, self.kv_cache, meta, self.hidden_layers)
         floats = extra.view(torch.float64)
         st = SamplingTensors(temperature=floats[:, TEMPERATURE].float(), top_k=extra[:, TOP_K],
@@ -246,8 +270,50 @@ class ModelRunner:
         # sample write into the spare last column, which nothing reads.
         samples = extra[:, SAMPLES] > 0
         self.pool.write(slot, torch.where(samples, out_pos, self.pool.width - 1), out)
+        if self.run_ahead:
+            self.rejected[slot] = torch.where(samples, num_drafts - nacc, 0)
+        drafts = None
+        if self.device_spec:
+            seq_lens = meta.seq_lens - num_drafts + torch.where(samples, nacc + 1, 0)
+            drafts = self._device_speculate(meta, shape, slot, samples, nacc, seq_lens, captured)
         packed = torch.cat([out, nacc[:, None].to(out.dtype)], dim=1)
-        return DeviceOutputs(packed, hidden, captured)
+        return DeviceOutputs(packed, hidden, captured, drafts)
+
+    def _move_back(self, meta: AttentionMetadata) -> None:
+        """Shifted rows were planned as if their predecessor accepted every draft: their
+        positions, cache slots, context lengths, output position and sampling index move back,
+        on the device, by the drafts it rejected."""
+        extra = meta.row_extra
+        assert extra is not None
+        back = torch.where(extra[:, SHIFTED] > 0, self.rejected[extra[:, SLOT]], 0)
+        real = meta.slot_mapping >= 0
+        meta.positions.sub_(torch.where(real, back[meta.token_rows], 0))
+        bs = self.attention.block_size
+        pos = meta.positions
+        slots = meta.block_tables[meta.token_rows, pos // bs] * bs + pos % bs
+        meta.slot_mapping.copy_(torch.where(real, slots, -1))
+        meta.seq_lens.sub_(back)
+        extra[:, OUT_POS] -= back
+        extra[:, POSITION] -= back
+
+    def _device_speculate(self, meta: AttentionMetadata, shape: StepShape, slot: torch.Tensor,
+                          samples: torch.Tensor, accepted: torch.Tensor, seq_lens: torch.Tensor,
+                          captured: dict[int, torch.Tensor]) -> torch.Tensor | None:
+        """A device-only speculator's pass, inside the step: it sees device tensors only, and
+        its drafts go into the token buffer right after each sampling row's confirmed tokens."""
+        assert self.speculator is not None
+        states = TargetStates(
+            tokens=self.pool.tokens, slots=[], slot_index=slot, generations=[], start_pos=[], query_start=[],
+            positions=meta.positions, num_drafts=[], accepted=accepted, seq_lens=[], samples=[], sampling=[],
+            block_tables=[], hidden=captured, seq_lens_device=seq_lens, samples_device=samples, target=self.target)
+        if not shape.draft_k:
+            self.speculator.sync(states)
+            return None
+        drafts = self.speculator.propose(states, shape.draft_k)
+        self.pool.write(slot, torch.where(samples, seq_lens, self.pool.width - 1), drafts.token_ids)
+        if self.draft_probs is not None and drafts.probs is not None:
+            self.draft_probs[slot, : shape.draft_k] = drafts.probs.float()
+        return drafts.token_ids
 
     def _launch(self, frame: StepFrame) -> PendingStep:
         rows = frame.rows
@@ -264,12 +330,26 @@ class ModelRunner:
             self.pool.completed(r.slot, r.generation, frame.step_id)
         n = len(rows)
         k1 = out.packed.shape[1] - 1  # a padded step verifies the bucket's K: more columns than shape.k
-        host, event = out.packed[:n].clone(), None
+        # Drafts proposed inside the step count for the next one unless the step was K=0 (a
+        # speculator that cannot skip drafting proposed all the same: its drafts are dropped).
+        drafted = out.drafts is not None and not frame.skip_drafts
+        host_drafts = drafted and frame.host_drafts
+        copies = 0
+        if drafted and not frame.host_drafts and self.force_host_drafts:
+            out.drafts[:n].tolist()  # what a kernel that ignored the fixed width would pay
+            copies = 1
+        packed = out.packed[:n]
+        if host_drafts:
+            assert out.drafts is not None
+            packed = torch.cat([packed, out.drafts[:n]], dim=1)
+            copies = 1
+        host, event = packed.clone(), None
         if self.device.type != "cpu":  # copy into pinned memory behind an event; wait only in finish()
-            host = torch.empty((n, out.packed.shape[1]), dtype=torch.int64, pin_memory=True)
-            host.copy_(out.packed[:n], non_blocking=True)
+            host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
             event = torch.Event(self.device)
             event.record()
+        next_k = out.drafts.shape[1] if drafted and out.drafts is not None else 0
 
         def finish() -> StepResult:
             if event is not None:
@@ -277,12 +357,20 @@ class ModelRunner:
             values = host.tolist()
             result_rows = []
             for r, v in zip(rows, values, strict=True):
-                sampled = [t for t in v[:k1] if t >= 0] if r.sampling is not None else []
-                result_rows.append(RowResult(r.key, r.generation, sampled, r.num_drafts,
-                                             v[k1] if r.sampling is not None else 0))
-            return StepResult(frame.step_id, result_rows)
+                if r.sampling is None:
+                    result_rows.append(RowResult(r.key, r.generation, [], r.num_drafts, 0))
+                    continue
+                row = RowResult(r.key, r.generation, [t for t in v[:k1] if t >= 0], r.num_drafts, v[k1],
+                                num_next_drafts=0 if host_drafts else next_k)
+                if host_drafts:
+                    drafted_ids = v[k1 + 1 :]
+                    cut = next((m for m, tok in enumerate(drafted_ids) if tok < 0), len(drafted_ids))
+                    row = msgspec.structs.replace(row, next_draft_ids=drafted_ids[:cut])
+                result_rows.append(row)
+            return StepResult(frame.step_id, result_rows, k0=frame.skip_drafts and self.speculator is not None,
+                              num_host_draft_copies=copies)
 
-        if self.speculator is None:
+        if self.speculator is None or self.device_spec:
             return PendingStep(finish)
         # The speculator reads this step's metadata and outputs, which the next launch
         # overwrites: it runs now (it needs the accepted counts on the host anyway).
@@ -308,13 +396,17 @@ class ModelRunner:
         assert meta.row_extra is not None
         slot_index = meta.row_extra[:n, SLOT]
         accepted = out.packed[:n, -1]
+        samples_device = meta.row_extra[:n, SAMPLES] > 0
+        seq_lens_device = (meta.seq_lens[:n] - meta.row_extra[:n, NUM_DRAFTS]
+                           + torch.where(samples_device, accepted + 1, 0))
         t = query_start[-1]
         states = TargetStates(
             tokens=self.pool.tokens, slots=slots, slot_index=slot_index,
             generations=[r.generation for r in rows], start_pos=starts, query_start=query_start,
             positions=meta.positions[:t], num_drafts=num_drafts, accepted=accepted, seq_lens=seq_lens,
             samples=samples, sampling=[r.sampling for r in rows], block_tables=[r.block_ids for r in rows],
-            hidden={layer: h[:t] for layer, h in out.captured.items()}, target=self.target)
+            hidden={layer: h[:t] for layer, h in out.captured.items()}, seq_lens_device=seq_lens_device,
+            samples_device=samples_device, target=self.target)
         spec = self.speculator
         k = frame.num_speculative_tokens
         sampling_idx = [i for i in range(n) if samples[i]]

@@ -7,7 +7,9 @@ from them (host copy of draft IDs or not, K=0 steps, KV slots and draft-KV memor
 The runner calls the speculator for every row of every step, non-final prefill chunks
 included, with a `TargetStates`: `propose` when at least one row samples and the step may
 draft, `sync` otherwise (the K=0 pass). Everything a speculator knows about a request's tokens
-it reads from the kernel's token buffer; it keeps no copy of its own.
+it reads from the kernel's token buffer; it keeps no copy of its own. A `device_only`
+speculator sees device tensors only (empty host lists), so the kernel can capture its pass in
+the step's graph and run ahead of the host.
 """
 
 from __future__ import annotations
@@ -71,6 +73,11 @@ class SpeculatorCapabilities(msgspec.Struct, frozen=True, kw_only=True):
     placement: Literal["local_last_stage", "remote"] = "local_last_stage"
     sampled_drafts: bool = False
     """Drafts are sampled from a distribution q that verification must see (draft_probs)."""
+    device_only: bool = False
+    """`propose` and `sync` read only the device tensors of TargetStates (its host lists are
+    empty), keep fixed shapes and never wait for the device. The kernel then runs them inside
+    the step's captured device graph, and launches the next step before this one's accepted
+    counts reach the host (run-ahead)."""
 
     def lookahead_slots(self, k: int) -> int:
         return self.lookahead_slots_per_draft * k
@@ -150,11 +157,17 @@ class TargetStates:
     block_tables: list[list[int]]
     hidden: dict[int, torch.Tensor]
     """Layer -> [T, H] output of the declared target layers, for the step's query tokens."""
+    seq_lens_device: torch.Tensor
+    """[R] int64 on the device: seq_lens, computed on the device from the accepted counts. With
+    run-ahead this is the only right one: a row planned before its predecessor's accepted
+    counts were known has its positions moved back on the device."""
+    samples_device: torch.Tensor
+    """[R] bool on the device: samples."""
     target: TargetModel | None = None
 
     @property
     def num_rows(self) -> int:
-        return len(self.slots)
+        return self.slot_index.shape[0]
 
 
 @dataclass

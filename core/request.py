@@ -73,6 +73,8 @@ class Request:
     """Frames scheduled for this request and not yet applied."""
     num_placeholders: int = 0
     """Tokens being sampled by frames in flight: scheduled, value still on the device."""
+    num_unverified: int = 0
+    """Drafts that frames in flight verify: a run-ahead row is planned as if all are accepted."""
     last_applied_step: int = -1
     last_scheduled_step: int = -1
     slot: int = -1

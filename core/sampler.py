@@ -114,7 +114,7 @@ def _race_kernel():  # type: ignore[no-untyped-def]
         import triton
         import triton.language as tl
 
-        @triton.jit
+        @triton.jit(do_not_specialize=["N", "CHUNK"])  # both move with the row count
         def race_kernel(p_ptr, stride, key_ptr, best_ptr, index_ptr, N, V, CHUNK,
                         GOLDEN: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
                         ROWS: tl.constexpr, BLOCK: tl.constexpr):

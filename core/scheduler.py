@@ -27,8 +27,12 @@ class SpecPolicy(msgspec.Struct, frozen=True, kw_only=True):
     num_speculative_tokens: int
     lookahead_slots: int
     variable_width: bool
+    """Draft IDs must reach the host (variable width, where the device does not pad them)."""
     skip_drafts: bool = True
     """Allow K=0 steps (off: `--no-skip-drafts`, for comparison)."""
+    run_ahead: bool = False
+    """Schedule a speculative request's next step while its current one is in flight, as if
+    every draft is accepted (the device moves the row back by what was rejected)."""
 
 
 class Scheduler:
@@ -58,11 +62,21 @@ class Scheduler:
 
     def _can_overlap(self, req: Request) -> bool:
         """Async scheduling: a decoding request whose one frame in flight samples its next input
-        is scheduled again at once, with that input as a placeholder. A speculative request
-        waits: how many drafts its frame accepts decides where its next step starts."""
-        return (self.async_scheduling and self.spec is None and req.in_flight == 1
-                and req.num_placeholders == 1 and req.num_computed_tokens == req.num_tokens
-                and self.may_continue(req))
+        is scheduled again at once, with that input as a placeholder. A speculative request does
+        so only with run-ahead (drafts that stay on the device): its next step is planned as if
+        every draft in flight is accepted."""
+        if not (self.async_scheduling and req.in_flight == 1 and req.num_placeholders == 1
+                and self.may_continue(req)):
+            return False
+        if self.spec is None:
+            return req.num_computed_tokens == req.num_tokens
+        # Planned as if every draft in flight is accepted: it must fit that case too, or its
+        # positions could run past the request's blocks.
+        emitted = len(req.output_token_ids) + req.num_placeholders + req.num_unverified
+        return (self.spec.run_ahead and not req.params.structured_output
+                and req.num_computed_tokens == req.num_tokens + req.num_unverified
+                and emitted < req.params.max_tokens
+                and req.num_tokens + req.num_placeholders + req.num_unverified < req.max_total_tokens)
 
     def schedule(self) -> StepFrame | None:
         budget = self.max_num_batched_tokens
@@ -74,11 +88,12 @@ class Scheduler:
                 i += 1
                 continue
             if req.in_flight:
-                if not self.blocks.ensure(req, self._slots_needed(req, 1)):
+                slots = self._run_ahead_drafts(req, budget)
+                if not self.blocks.ensure(req, self._slots_needed(req, 1 + slots)):
                     i += 1  # no room to run ahead: it waits for its frame like in sync mode
                     continue
-                rows.append(self._row(req, 0, [], 0, placeholder_inputs=1))
-                budget -= 1
+                rows.append(self._row(req, 0, [], slots, placeholder_inputs=1, shifted=self.spec is not None))
+                budget -= rows[-1].num_tokens
                 i += 1
                 continue
             n_known, drafts, slots = self._plan(req, budget)
@@ -114,7 +129,20 @@ class Scheduler:
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec is not None else 0,
         )
         self.next_step_id += 1
+        if self.spec is not None and self.spec.run_ahead and not frame.skip_drafts and not frame.host_drafts:
+            # The drafts this frame proposes stay on the device: a run-ahead successor counts on them.
+            for row in rows:
+                if row.sampling is not None:
+                    self.requests[row.key].num_draft_slots = frame.num_speculative_tokens
         return frame
+
+    def _run_ahead_drafts(self, req: Request, budget: int) -> int:
+        """Draft slots a run-ahead row verifies: those its frame in flight proposes, within what
+        the request may still emit if that frame accepts all its drafts."""
+        emitted = len(req.output_token_ids) + req.num_placeholders + req.num_unverified
+        room = min(budget - 1, req.params.max_tokens - emitted - 1,
+                   req.max_total_tokens - req.num_tokens - req.num_placeholders - req.num_unverified - 1)
+        return max(0, min(req.num_draft_slots, room))
 
     def _plan(self, req: Request, budget: int) -> tuple[int, list[int], int]:
         """(known tokens, host drafts, device draft slots) to schedule for req within budget."""
@@ -132,7 +160,7 @@ class Scheduler:
         return min(req.num_computed_tokens + n + lookahead, req.max_total_tokens + lookahead)
 
     def _row(self, req: Request, n: int, drafts: list[int], slots: int,
-             placeholder_inputs: int = 0) -> ScheduledRow:
+             placeholder_inputs: int = 0, shifted: bool = False) -> ScheduledRow:
         start = req.num_computed_tokens
         reads_device = placeholder_inputs > 0 or slots > 0 or bool(drafts)  # host drafts too sit in the buffer
         prev_step = req.last_scheduled_step if reads_device else -1
@@ -141,14 +169,15 @@ class Scheduler:
         req.in_flight += 1
         req.draft_token_ids, req.num_draft_slots = [], 0
         p = req.params
-        final = start + n + placeholder_inputs == req.num_tokens + req.num_placeholders
+        final = start + n + placeholder_inputs == req.num_tokens + req.num_placeholders + req.num_unverified
         sampling = None
         if final:
             sampling = RowSampling(p.temperature, p.top_k, p.top_p, req.seed,
-                                   len(req.output_token_ids) + req.num_placeholders)
+                                   len(req.output_token_ids) + req.num_placeholders + req.num_unverified)
             req.num_placeholders += 1
+            req.num_unverified += len(drafts) + slots
         return ScheduledRow(req.key, req.generation, req.slot, start, req.token_ids(start, start + n),
-                            list(req.block_ids), sampling, drafts, slots, placeholder_inputs, prev_step)
+                            list(req.block_ids), sampling, drafts, slots, placeholder_inputs, prev_step, shifted)
 
     def _skip_drafts(self, rows: list[ScheduledRow]) -> bool:
         """K=0 when no row can verify drafts proposed after this step: rows that sample nothing
@@ -175,7 +204,7 @@ class Scheduler:
         self.blocks.free(req)
         self._release_slot(req)
         req.num_computed_tokens = 0
-        req.in_flight = req.num_placeholders = 0
+        req.in_flight = req.num_placeholders = req.num_unverified = 0
         req.generation = next(self.generations)
         req.status = Status.WAITING
         req.num_preemptions += 1
@@ -192,7 +221,7 @@ class Scheduler:
         self.blocks.free(req)
         self._release_slot(req)
         req.generation = next(self.generations)
-        req.in_flight = req.num_placeholders = 0
+        req.in_flight = req.num_placeholders = req.num_unverified = 0
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.draft_token_ids, req.num_draft_slots = [], 0

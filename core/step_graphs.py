@@ -38,24 +38,27 @@ def row_buckets(max_rows: int) -> list[int]:
 
 
 class StepGraphs:
-    def __init__(self, runner: ModelRunner, platform: Platform, max_rows: int, ks: Iterable[int]) -> None:
+    def __init__(self, runner: ModelRunner, platform: Platform, max_rows: int, ks: Iterable[int],
+                 draft_ks: Iterable[int] = (0,)) -> None:
         self.runner = runner
         self.platform = platform
         self.buckets = row_buckets(max_rows)
         self.ks = sorted(set(ks))
+        self.draft_ks = sorted(set(draft_ks))
+        """Drafts a device-only speculator proposes inside the step (0: its sync pass)."""
         self.graphs: dict[StepShape, tuple[DeviceGraph, DeviceOutputs]] = {}
         self.pool: object | None = None
         self.buffer_ptr = 0
         self.num_replays = 0
 
     def shapes(self) -> list[StepShape]:
-        return [self._shape(rows, k, greedy, filt)
-                for k in self.ks for rows in reversed(self.buckets) for greedy, filt in SAMPLING_KINDS]
+        return [self._shape(rows, k, greedy, filt, draft_k) for k in self.ks for draft_k in self.draft_ks
+                for rows in reversed(self.buckets) for greedy, filt in SAMPLING_KINDS]
 
     @staticmethod
-    def _shape(rows: int, k: int, all_greedy: bool, any_filter: bool) -> StepShape:
+    def _shape(rows: int, k: int, all_greedy: bool, any_filter: bool, draft_k: int = 0) -> StepShape:
         return StepShape(rows=rows, tokens=rows * (k + 1), k=k, max_query_len=k + 1, all_greedy=all_greedy,
-                         any_filter=any_filter, decode_like=True)
+                         any_filter=any_filter, decode_like=True, draft_k=draft_k)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -93,7 +96,7 @@ class StepGraphs:
             log.warning("graphs_dropped", reason="the step plan buffer was reallocated")
             self.graphs.clear()
             return None
-        padded = self._shape(rows, k, shape.all_greedy, shape.any_filter and not shape.all_greedy)
+        padded = self._shape(rows, k, shape.all_greedy, shape.any_filter and not shape.all_greedy, shape.draft_k)
         return padded if padded in self.graphs else None
 
     def replay(self, shape: StepShape) -> DeviceOutputs:

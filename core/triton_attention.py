@@ -2,7 +2,10 @@
 
 One attention kernel serves decode, verification (1+K queries) and chunked prefill, so a mixed
 step is one launch per layer and a CUDA graph captures it with a fixed grid. It reads only the
-live KV through the block tables, never a gathered copy.
+live KV through the block tables, never a gathered copy. Short-query steps may split each row's
+KV over several programs to fill the GPU at small batch: the split count is a runtime argument
+(batch sizes share one compiled kernel), and each row uses only the splits its context fills at
+MIN_SPLIT_KEYS keys or more each, so a short row is one program that writes its output directly.
 
 Cache layout (shared with `speckernel.attention`): one layer's cache is [2, slots, kv_heads,
 head_dim], K then V; position p of a sequence with block table `bt` lives in slot
@@ -48,31 +51,49 @@ def _kernels() -> SimpleNamespace:
         tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + stride_kvx, v.to(kv_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    # num_splits is the grid's split count, a runtime argument (not specialised on 1 or
+    # multiples of 16), so the split count never multiplies compiled variants.
+    @triton.jit(do_not_specialize=["num_splits"])
     def paged_attention_kernel(
         q_ptr, kv_ptr, out_ptr, bt_ptr, seq_lens_ptr, qstart_ptr, part_acc_ptr, part_ml_ptr, scale_log2,
         stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kvx, stride_kvs, stride_kvh, stride_btr, stride_btc,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-        DOT_FP32: tl.constexpr,
+        stride_kvx, stride_kvs, stride_kvh, stride_btr, stride_btc, num_splits,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
+        MIN_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        IEEE: tl.constexpr, DOT_FP32: tl.constexpr,
     ):
         # M packs (query token, head of the GQA group): m = token * GROUP + head_in_group, so one
         # program loads each K/V tile once for all query heads that share the kv head.
-        # Axis 2 is the M block, or with NUM_SPLITS > 1 (all of a row's M in one block) the KV
-        # split: each split writes an unnormalized partial that combine_kernel merges.
+        # Axis 2 is the M block, or with SPLIT (all of a row's M in one block) the KV split: a row
+        # uses as many splits as its context needs (see MIN_SPLIT_KEYS); with one, that split writes
+        # the output, with more each writes an unnormalized partial that combine_kernel merges.
         row = tl.program_id(0)
         kvh = tl.program_id(1)
-        if NUM_SPLITS == 1:
-            m_start = tl.program_id(2) * BLOCK_M
-        else:
+        if SPLIT:
             m_start = 0
+        else:
+            m_start = tl.program_id(2) * BLOCK_M
         q_lo = tl.load(qstart_ptr + row)
         n_q = tl.load(qstart_ptr + row + 1) - q_lo
         if m_start >= n_q * GROUP:  # past this row's queries (or a padding row): nothing to do
             return
         seq_len = tl.load(seq_lens_ptr + row)
         first_pos = seq_len - n_q  # position of the row's first query
+        # Keys up to this program's last query position; later ones are masked for all its queries.
+        # (With SPLIT the program holds all the row's queries: kv_end = seq_len.)
+        last_tok = tl.minimum(n_q - 1, (m_start + BLOCK_M - 1) // GROUP)
+        kv_end = first_pos + last_tok + 1
+        lo = kv_end * 0
+        hi = kv_end
+        used = 1
+        if SPLIT:
+            # Same arithmetic as combine_kernel's. Every used split starts below kv_end.
+            per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_end, BLOCK_N), num_splits) * BLOCK_N, MIN_SPLIT)
+            used = tl.cdiv(kv_end, per_split)
+            lo = tl.program_id(2) * per_split
+            hi = tl.minimum(lo + per_split, kv_end)
+        if lo >= hi:  # a split past the row's used ones (never without SPLIT: kv_end >= 1)
+            return
         offs_m = m_start + tl.arange(0, BLOCK_M)
         tok = offs_m // GROUP
         head = kvh * GROUP + offs_m % GROUP
@@ -85,15 +106,6 @@ def _kernels() -> SimpleNamespace:
                     mask=io_mask, other=0.0)
         if DOT_FP32:
             q = q.to(tl.float32)
-        # Keys up to this program's last query position; later ones are masked for all its queries.
-        last_tok = tl.minimum(n_q - 1, (m_start + BLOCK_M - 1) // GROUP)
-        kv_end = first_pos + last_tok + 1
-        lo = kv_end * 0
-        hi = kv_end
-        if NUM_SPLITS > 1:
-            per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS) * BLOCK_N
-            lo = tl.program_id(2) * per_split
-            hi = tl.minimum(lo + per_split, kv_end)  # may be <= lo: an empty split
         # Keys below full_end are visible to every query of the program: those tiles skip masking.
         full_end = (first_pos + m_start // GROUP + 1) // BLOCK_N * BLOCK_N
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -128,13 +140,13 @@ def _kernels() -> SimpleNamespace:
                     s = tl.dot(q, tl.trans(k))
                 s = s * scale_log2
                 if masked:
-                    # Key 0 is visible to every row (padding rows too), so without splits the first
-                    # tile's running max is finite and fully masked rows of later tiles add exp2(-inf) = 0.
+                    # Key 0 is visible to every row (padding rows too), so in the program holding it
+                    # the running max is finite and fully masked rows of later tiles add exp2(-inf) = 0.
                     s = tl.where(n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_ref = m_new
-                if masked and NUM_SPLITS > 1:
-                    # A split can hold no key that a query sees: keep its row at exp2(-inf) = 0, not NaN.
+                if masked and SPLIT:
+                    # A later split can hold no key that a query sees: keep its row at exp2(-inf) = 0, not NaN.
                     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.exp2(m_i - m_ref)
                 p = tl.exp2(s - m_ref[:, None])
@@ -148,39 +160,44 @@ def _kernels() -> SimpleNamespace:
                     pv = tl.dot(p.to(v.dtype), v)
                 acc = acc * alpha[:, None] + pv
                 m_i = m_new
-        if NUM_SPLITS == 1:
+        if used == 1:  # the only program over these keys (l > 0: key 0 is visible to every row)
             acc = acc / l_i[:, None]
             tl.store(out_ptr + (q_lo + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=io_mask)
         else:
-            # An empty split leaves m = -inf, l = 0, acc = 0: weight 0 in the combine.
-            part = ((row * tl.num_programs(1) + kvh) * NUM_SPLITS + tl.program_id(2)) * BLOCK_M
+            # A query that sees no key of this split leaves m = -inf, l = 0, acc = 0: weight 0 in the combine.
+            part = ((row * tl.num_programs(1) + kvh) * num_splits + tl.program_id(2)) * BLOCK_M
             rows = part + tl.arange(0, BLOCK_M)
             tl.store(part_acc_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], acc)
             tl.store(part_ml_ptr + 2 * rows, m_i)
             tl.store(part_ml_ptr + 2 * rows + 1, l_i)
 
-    @triton.jit
-    def combine_kernel(out_ptr, qstart_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh,
-                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    @triton.jit(do_not_specialize=["num_splits"])
+    def combine_kernel(out_ptr, seq_lens_ptr, qstart_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh,
+                       num_splits, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       MAX_SPLITS: tl.constexpr):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         q_lo = tl.load(qstart_ptr + row)
         n_q = tl.load(qstart_ptr + row + 1) - q_lo
-        if n_q == 0:
+        seq_len = tl.load(seq_lens_ptr + row)
+        # The row's used splits, as paged_attention_kernel counts them (its kv_end is seq_len).
+        per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits) * BLOCK_N, MIN_SPLIT)
+        used = tl.cdiv(seq_len, per_split)
+        if (n_q == 0) | (used <= 1):  # a padding row, or one split that wrote the output itself
             return
-        base = (row * tl.num_programs(1) + kvh) * NUM_SPLITS * BLOCK_M
-        offs_s = tl.arange(0, BLOCK_S)
+        base = (row * tl.num_programs(1) + kvh) * num_splits * BLOCK_M
+        offs_s = tl.arange(0, MAX_SPLITS)
         offs_m = tl.arange(0, BLOCK_M)
         ml = part_ml_ptr + 2 * (base + offs_s[:, None] * BLOCK_M + offs_m[None, :])
-        m_all = tl.load(ml, mask=(offs_s < NUM_SPLITS)[:, None], other=float("-inf"))
-        l_all = tl.load(ml + 1, mask=(offs_s < NUM_SPLITS)[:, None], other=0.0)
+        m_all = tl.load(ml, mask=(offs_s < used)[:, None], other=float("-inf"))
+        l_all = tl.load(ml + 1, mask=(offs_s < used)[:, None], other=0.0)
         m_max = tl.max(m_all, 0)  # finite: split 0 always holds key 0
         l_sum = tl.sum(tl.exp2(m_all - m_max[None, :]) * l_all, 0)
         offs_d = tl.arange(0, BLOCK_D)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for split in range(NUM_SPLITS):
+        for split in range(used):
             rows = base + split * BLOCK_M + offs_m
             weight = tl.exp2(tl.load(part_ml_ptr + 2 * rows) - m_max)
             acc += weight[:, None] * tl.load(part_acc_ptr + rows[:, None] * BLOCK_D + offs_d[None, :])
@@ -233,6 +250,11 @@ def _config(rows_m: int) -> tuple[int, int, int, int]:
 SHORT_ROWS = 64
 """Rows of M (queries x GQA group) up to which a row is one program, which may split its KV."""
 MAX_SPLITS = 16
+"""Most KV splits of a row (the combine kernel's split block)."""
+MIN_SPLIT_KEYS = 256
+"""Fewest keys a used KV split covers (rounded up to whole BLOCK_N tiles). Each row takes
+max(its share of the context, this) keys per split and so uses ceil(kv_len / that) splits: a
+context up to this long is one split, which writes the output itself with no combine work."""
 
 
 @functools.cache
@@ -243,9 +265,11 @@ def _num_sms(device: torch.device) -> int:
 def _default_splits(programs: int, device: torch.device) -> int:
     """KV splits so that short-query steps fill the GPU: (rows x kv heads) programs alone leave
     most SMs idle at small batch (1 x 8 kv heads = 8 programs on 132 SMs). Context lengths live
-    on the device (CUDA graphs), so this looks at the grid only; a split with no keys just
-    writes an empty partial. About one program per SM measured best (H200: 16 splits for 8
-    programs, 4 for 64, none from 256)."""
+    on the device (CUDA graphs), so this looks at the grid only: it is the most splits a row
+    may use. Each row uses only as many as its context fills at MIN_SPLIT_KEYS keys or more
+    each; the programs of the splits it leaves unused return at once, and a row in one split
+    skips the combine. About one program per SM measured best (H200: 16 splits for 8 programs,
+    4 for 64, none from 256)."""
     if device.type != "cuda":
         return 1
     want = -(-_num_sms(device) // programs)
@@ -271,8 +295,10 @@ def paged_attention(
     this step, new tokens already in the cache); query_start [R+1] (row r's queries are
     q[query_start[r]:query_start[r+1]], at the last positions of its context). max_query_len
     only sizes the grid, so a CUDA graph can pass a fixed bound. Tokens past query_start[R]
-    are left as they are in `out`. num_kv_splits (short queries only; default: by the grid's
-    size on the GPU) splits each row's KV over that many programs plus a combine launch."""
+    are left as they are in `out`. num_kv_splits (short queries only, 1 to MAX_SPLITS; default:
+    by the grid's size on the GPU) is the most programs a row's KV is split over; above 1 a
+    combine launch follows. A row uses ceil(seq_len / per_split) of them, per_split being
+    max(its share of the splits, MIN_SPLIT_KEYS) keys; with one it gets no combine work."""
     t, h, d = q.shape
     kvh = kv.shape[2]
     assert h % kvh == 0, "query heads must be a multiple of kv heads"
@@ -291,7 +317,8 @@ def paged_attention(
     splits = 1
     if rows_m <= SHORT_ROWS:
         splits = _default_splits(r * kvh, q.device) if num_kv_splits is None else num_kv_splits
-    assert splits >= 1
+    assert 1 <= splits <= MAX_SPLITS, f"num_kv_splits must be 1 to {MAX_SPLITS}"
+    min_split = max(1, -(-MIN_SPLIT_KEYS // block_n)) * block_n
     if splits > 1:
         grid = (r, kvh, splits)
         part_acc = torch.empty((r * kvh * splits * block_m, block_d), dtype=torch.float32, device=q.device)
@@ -303,8 +330,8 @@ def paged_attention(
     kernels.paged_attention[grid](
         q, kv, out, block_tables, seq_lens, query_start, part_acc, part_ml, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kv.stride(0), kv.stride(1), kv.stride(2), block_tables.stride(0), block_tables.stride(1),
-        GROUP=group, HEAD_DIM=d, PAGE=block_size, NUM_SPLITS=splits,
+        kv.stride(0), kv.stride(1), kv.stride(2), block_tables.stride(0), block_tables.stride(1), splits,
+        GROUP=group, HEAD_DIM=d, PAGE=block_size, SPLIT=splits > 1, MIN_SPLIT=min_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
         # Triton's interpreter multiplies bf16 bit patterns as integers in tl.dot: widen there.
         DOT_FP32=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
@@ -312,8 +339,8 @@ def paged_attention(
     )
     if splits > 1:
         kernels.combine[(r, kvh)](
-            out, query_start, part_acc, part_ml, out.stride(0), out.stride(1),
-            GROUP=group, HEAD_DIM=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_D=block_d,
-            BLOCK_S=_next_pow2(splits), num_warps=4,
+            out, seq_lens, query_start, part_acc, part_ml, out.stride(0), out.stride(1), splits,
+            GROUP=group, HEAD_DIM=d, MIN_SPLIT=min_split, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_D=block_d, MAX_SPLITS=MAX_SPLITS, num_warps=4,
         )
     return out

@@ -5,8 +5,17 @@ confirmed token history (prompt plus every token the simulated runner produced f
 cut at the stop conditions it computes itself), the number of positions whose KV is valid, the
 drafts outstanding (their token values, also for fixed width, where the kernel knows only the
 count) and the rows in flight. From that record alone it predicts every scheduled row's start
-position, host input tokens, placeholder inputs, drafts to verify, slot and `prev_step_id`, and
-after every apply the deltas, the outputs and the counters.
+position, host input tokens, placeholder inputs, drafts to verify, slot, `prev_step_id` and
+`shifted`, and after every apply the deltas, the outputs and the counters.
+
+Run-ahead (`SpecPolicy.run_ahead`): a row scheduled behind a frame in flight that verifies d
+drafts is planned as if that frame accepts all d. The oracle predicts the planned (optimistic)
+row, and learns the row's real start only when the frame before it is applied: planned start
+minus the drafts that frame rejected. The simulated runner keeps its own token buffer per
+(slot, generation) and the drafts each slot's latest step rejected, like the device: it moves a
+shifted row back by that count, reads the row's inputs there, and writes what it samples at the
+moved-back positions; every token the ledger delivers must sit at the history index where the
+runner wrote it.
 
 `Harness` drives one kernel through add / schedule / apply / abort / preempt with random
 choices from a `Pick` (hypothesis draws in the state machine, `random.Random` in the seeded
@@ -43,9 +52,13 @@ class Flight:
 
     step_id: int
     row: ScheduledRow
-    drafts: list[int]
-    """Token values of the drafts the row verifies (the oracle's record, host or device)."""
+    drafts: list[int | None]
+    """Token values of the drafts the row verifies (the oracle's record, host or device); for a
+    run-ahead row, None until the frame before it (which proposes them) has been applied."""
     samples: bool
+    real_start: int | None
+    """Where the row really starts: its start_pos, or for a run-ahead row start_pos minus the
+    drafts the frame before it rejected (None until that frame is applied)."""
 
 
 @dataclass(eq=False)
@@ -60,7 +73,9 @@ class Track:
     history: list[int]
     kv: int = 0
     """Positions [0, kv) hold valid KV once the applied frames have run (rejected drafts excluded)."""
-    drafts: list[int] = field(default_factory=list)
+    drafts: list[int | None] = field(default_factory=list)
+    """Drafts the next row may verify; with run-ahead, those a frame in flight will propose
+    (values unknown, None) count from the moment it is scheduled."""
     drafts_on_host: bool = False
     draft_step: int = -1
     """Step whose result proposed `drafts` (they sit in the token buffer since then)."""
@@ -86,6 +101,11 @@ class Track:
         """Tokens being sampled by rows in flight: their values are still on the device."""
         return sum(f.samples for f in self.flights)
 
+    @property
+    def unverified(self) -> int:
+        """Drafts verified by rows in flight: a run-ahead row is planned as if all are accepted."""
+        return sum(f.row.num_drafts for f in self.flights if f.samples)
+
     def stop_reason(self) -> str | None:
         """The stop rule, written from the sampling parameters (not from Request.stop_reason)."""
         token = self.history[-1]
@@ -110,8 +130,15 @@ class Oracle:
         self.slot_owner: dict[int, int] = {}
         self.last_step_id = -1
         self.fresh = itertools.count(FRESH)
-        self.origin: dict[int, tuple[int, int]] = {}
-        """Unique runner token → (step id, key of the row it was produced for)."""
+        self.origin: dict[int, tuple[int, int, int]] = {}
+        """Unique runner token → (step id, key of the row it was produced for, the buffer position
+        the runner wrote it at; -1 for a stale row)."""
+        self.buffer: dict[tuple[int, int], dict[int, int]] = {}
+        """The runner's token buffer: (slot, generation) → position → token."""
+        self.rejected: dict[tuple[int, int], int] = {}
+        """The runner's per (slot, generation): drafts its latest step rejected."""
+        self.completed: dict[tuple[int, int], int] = {}
+        """The runner's per (slot, generation): the latest step that completed there."""
         self.proposed: dict[tuple[int, int], list[int]] = {}
         self.num_stale_rows = 0
         self.num_k0_steps = 0
@@ -176,6 +203,14 @@ class Oracle:
         expect_host = policy is not None and (
             policy.variable_width or any(self.tracks[r.key].params.structured_output for r in frame.rows))
         assert frame.host_drafts == expect_host, f"step {frame.step_id}: host_drafts {frame.host_drafts}"
+        if policy is not None and policy.run_ahead and not frame.skip_drafts and not frame.host_drafts:
+            # Drafts proposed on the device after this frame: a run-ahead row may verify them
+            # before the frame is applied, so they are outstanding now (values still unknown).
+            for row in frame.rows:
+                if row.sampling is not None:
+                    t = self.tracks[row.key]
+                    t.drafts, t.drafts_on_host = [None] * policy.num_speculative_tokens, False
+                    t.draft_step = frame.step_id
         self.stats["frames"] += 1
         self.stats["k0_frames"] += frame.skip_drafts
 
@@ -195,29 +230,46 @@ class Oracle:
             self.slots_seen.add(row.slot)
         assert row.slot == t.slot, f"{what}: slot {row.slot}, the request holds {t.slot}"
         assert row.generation == t.generation, f"{what}: generation changed without preemption"
-        known, pending = len(t.history), t.pending
-        projected = known + pending
+        run_ahead = self.policy is not None and self.policy.run_ahead
+        # Rows in flight count as if they accept every draft they verify (only a run-ahead row is
+        # ever scheduled behind one that verifies drafts): `unverified` is 0 in the other modes.
+        known, pending, unverified = len(t.history), t.pending, t.unverified
+        projected = known + pending + unverified
+        emitted = t.num_output + pending + unverified
         if t.flights:
             last = t.flights[-1]
-            assert last.row.num_drafts == 0, f"{what}: scheduled behind step {last.step_id}, acceptance unknown"
-            expect_start = last.row.start_pos + last.row.num_tokens
+            assert run_ahead or last.row.num_drafts == 0, \
+                f"{what}: scheduled behind step {last.step_id}, acceptance unknown"
+            assert last.real_start is not None, \
+                f"{what}: scheduled behind step {last.step_id}, whose own start is not known yet"
+            expect_start = last.real_start + last.row.num_tokens  # as if it accepts all its drafts
         else:
             expect_start = t.kv
         assert row.start_pos == expect_start, f"{what}: start_pos {row.start_pos}, valid KV ends at {expect_start}"
         n, p, d = len(row.token_ids), row.num_placeholder_inputs, row.num_drafts
-        assert row.start_pos + n <= known, f"{what}: host inputs past the confirmed history"
+        assert not n or row.start_pos + n <= known, f"{what}: host inputs past the confirmed history"
         assert row.token_ids == t.history[row.start_pos:row.start_pos + n], f"{what}: wrong input tokens"
+        assert p or not t.flights, f"{what}: scheduled behind step {t.flights[-1].step_id} with no placeholder"
         if p:
             assert self.async_scheduling, f"{what}: placeholder input in sync mode"
-            assert row.start_pos + n == known, f"{what}: placeholder where the host knows the token"
+            assert row.start_pos + n == known + unverified, f"{what}: placeholder where the host knows the token"
             assert row.start_pos + n + p <= projected, f"{what}: placeholder no frame in flight samples"
+            assert emitted < t.params.max_tokens and projected < t.max_total, \
+                f"{what}: scheduled ahead, but even if step {t.flights[-1].step_id} accepts all " \
+                f"{unverified} drafts the request may not emit another token (output {emitted} of " \
+                f"{t.params.max_tokens}, {projected} tokens of {t.max_total})"
+            if self.policy is not None:
+                assert run_ahead, f"{what}: a speculative request scheduled behind its frame without run-ahead"
+                assert not t.params.structured_output, f"{what}: a structured-output request runs ahead"
+                assert n == 0, f"{what}: a run-ahead row with host inputs"
             self.stats["placeholder_rows"] += 1
+        expect_shifted = p > 0 and self.policy is not None
+        assert row.shifted == expect_shifted, f"{what}: shifted={row.shifted}, expected {expect_shifted}"
         final = row.start_pos + n + p == projected
         assert (row.sampling is not None) == final, f"{what}: samples={row.sampling is not None}, final={final}"
         expect_d = 0
         if final:
             assert row.sampling is not None
-            emitted = t.num_output + pending
             assert row.sampling.position == emitted and row.sampling.seed == t.req.seed, \
                 f"{what}: samples output index {row.sampling.position}, expected {emitted}"
             room = min(budget - n - p, t.params.max_tokens - emitted - 1, t.max_total - projected - 1)
@@ -234,23 +286,26 @@ class Oracle:
         need = min(row.start_pos + row.num_tokens + lookahead, t.max_total + lookahead)
         assert len(row.block_ids) * self.block_size >= need, f"{what}: blocks for {need} KV slots missing"
         assert row.block_ids == t.req.block_ids, f"{what}: the row names blocks the request does not hold"
-        t.flights.append(Flight(step_id, row, t.drafts[:d], final))
+        t.flights.append(Flight(step_id, row, t.drafts[:d], final, None if row.shifted else row.start_pos))
         t.drafts, t.drafts_on_host = [], False  # verified now, or void: the new token overwrites them
         assert len(t.flights) <= (2 if self.async_scheduling else 1), f"{what}: too many frames in flight"
         self.stats["two_in_flight"] += len(t.flights) == 2
         self.stats["rows_with_drafts"] += d > 0
+        self.stats["shifted_rows"] += row.shifted
+        self.stats["shifted_rows_with_drafts"] += row.shifted and d > 0
+        self.stats["shifted_behind_drafts"] += row.shifted and unverified > 0
         self.stats["prefill_chunks"] += not final
 
     # --- the simulated runner ----------------------------------------------------------------
 
-    def token(self, pick: Pick, step_id: int, key: int) -> int:
+    def token(self, pick: Pick, step_id: int, key: int, pos: int = -1) -> int:
         kind = pick(0, 15)
         if kind == 0:
             return EOS
         if kind == 1:
             return STOP
         token = next(self.fresh)
-        self.origin[token] = (step_id, key)
+        self.origin[token] = (step_id, key, pos)
         return token
 
     def _live(self, step_id: int, row: ScheduledRow) -> Flight | None:
@@ -270,23 +325,38 @@ class Oracle:
             if pick(0, 24) == 0:
                 rows.append(RowResult(row.key, row.generation, [], d, error="boom"))
                 continue
-            if row.sampling is None:
-                rows.append(RowResult(row.key, row.generation, []))
-                continue
-            a = pick(0, d)
-            if flight is not None:
-                drafts = flight.drafts
-                if row.draft_token_ids:
-                    assert row.draft_token_ids == drafts, "runner: host drafts differ from the recorded ones"
-            else:  # a stale row: the runner still answers, the ledger must drop it
+            if flight is None:  # a stale row: the runner still answers, the ledger must drop it
+                if row.sampling is None:
+                    rows.append(RowResult(row.key, row.generation, []))
+                    continue
+                a = pick(0, d)
                 drafts = [self.token(pick, frame.step_id, row.key) for _ in range(d)]
-            sampled = [*drafts[:a], self.token(pick, frame.step_id, row.key)]
+                sampled = [*drafts[:a], self.token(pick, frame.step_id, row.key)]
+                out = -1
+            else:
+                inputs = self._read_inputs(frame.step_id, row, flight)
+                if row.sampling is None:
+                    rows.append(RowResult(row.key, row.generation, []))
+                    continue
+                a = pick(0, d)
+                n = len(row.token_ids) + row.num_placeholder_inputs
+                drafts = inputs[n:]
+                out = flight.real_start + n  # where the row's first output goes (its first draft's place)
+                sampled = [*drafts[:a], self.token(pick, frame.step_id, row.key, out + a)]
+                buf = self.buffer[(row.slot, row.generation)]
+                for j, token in enumerate(sampled):
+                    buf[out + j] = token
+                self.rejected[(row.slot, row.generation)] = d - a
             next_ids, num_next = None, 0
             if policy is not None and not frame.skip_drafts:
                 k = policy.num_speculative_tokens
                 width = pick(0, k) if policy.variable_width else k
-                proposal = [self.token(pick, frame.step_id, row.key) for _ in range(width)]
+                at = out + a + 1 if out >= 0 else -1  # right after the new token
+                proposal = [self.token(pick, frame.step_id, row.key, at + j if at >= 0 else -1) for j in range(width)]
                 self.proposed[(frame.step_id, row.key)] = proposal
+                if at >= 0:
+                    for j, token in enumerate(proposal):
+                        self.buffer[(row.slot, row.generation)][at + j] = token
                 if frame.host_drafts:
                     next_ids = proposal
                 else:
@@ -296,6 +366,40 @@ class Oracle:
                      and any(r.sampling is not None for r in frame.rows))
         return StepResult(frame.step_id, rows, k0=policy is not None and frame.skip_drafts,
                           num_host_draft_copies=copies)
+
+    def _read_inputs(self, step_id: int, row: ScheduledRow, flight: Flight) -> list[int]:
+        """The device side of a live row: it refuses a row whose predecessor did not complete for
+        its (slot, generation), moves a shifted row back by the drafts its predecessor rejected,
+        writes the host inputs (and host drafts) into the buffer and reads every input from there.
+        The inputs must be the confirmed history and the drafts the oracle recorded."""
+        t, dev = self.tracks[row.key], (row.slot, row.generation)
+        what = f"runner, step {step_id} key {row.key}"
+        buf = self.buffer.setdefault(dev, {})
+        if row.prev_step_id >= 0:
+            assert self.completed.get(dev) == row.prev_step_id, \
+                f"{what}: reads step {row.prev_step_id}, but step {self.completed.get(dev)} ran last in its slot"
+        back = self.rejected.get(dev, 0) if row.shifted else 0
+        start = row.start_pos - back
+        assert start == flight.real_start, f"{what}: moved back to {start}, the oracle starts it at {flight.real_start}"
+        n, p = len(row.token_ids), row.num_placeholder_inputs
+        for i, token in enumerate([*row.token_ids, *([0] * p), *row.draft_token_ids]):
+            if not n <= i < n + p:
+                buf[start + i] = token
+        missing = [pos for pos in range(start, start + row.num_tokens) if pos not in buf]
+        assert not missing, f"{what}: reads positions {missing} that no step wrote"
+        inputs = [buf[pos] for pos in range(start, start + row.num_tokens)]
+        assert start + n + p == len(t.history) if row.sampling is not None else start + n <= len(t.history), \
+            f"{what}: the row ends at {start + n + p}, the confirmed history at {len(t.history)}"
+        assert inputs[:n + p] == t.history[start:start + n + p], f"{what}: inputs are not the confirmed history"
+        assert inputs[n + p:] == flight.drafts, f"{what}: drafts {inputs[n + p:]} in the buffer, {flight.drafts} noted"
+        if row.sampling is not None:
+            assert row.sampling.position - back == t.num_output, \
+                f"{what}: samples output {row.sampling.position} - {back}, the request has {t.num_output}"
+        else:
+            self.rejected[dev] = 0
+        self.completed[dev] = step_id
+        self.stats["shifted_moved_back"] += back > 0
+        return inputs
 
     # --- apply -----------------------------------------------------------------------------
 
@@ -330,8 +434,9 @@ class Oracle:
                     t.drafted_per_pos[j] += 1
                     t.accepted_per_pos[j] += j < a
                 self.stats["accept_none" if a == 0 else "accept_all" if a == d else "accept_some"] += 1
+            assert flight.real_start is not None, "oracle: a row applied before the one it runs behind"
             if row.sampling is None:  # a prefill chunk: its KV is written, nothing confirmed
-                t.kv = row.start_pos + len(row.token_ids)
+                t.kv = flight.real_start + len(row.token_ids)
                 continue
             new: list[int] = []
             reason = None
@@ -354,10 +459,22 @@ class Oracle:
                 expected.append((row.key, new, reason, None))
                 continue
             # Valid KV: every input fed except the rejected drafts; the new token is not fed yet.
-            t.kv = row.start_pos + len(row.token_ids) + row.num_placeholder_inputs + a
+            t.kv = flight.real_start + len(row.token_ids) + row.num_placeholder_inputs + a
             assert t.kv == len(t.history) - 1, "oracle: KV and history disagree"
             if not t.flights:  # drafts sit right after the new token: usable by the next row only
-                t.drafts, t.drafts_on_host, t.draft_step = proposal, res.next_draft_ids is not None, frame.step_id
+                t.drafts, t.drafts_on_host, t.draft_step = list(proposal), res.next_draft_ids is not None, frame.step_id
+            else:  # a row scheduled behind this one: the drafts it verifies are these, or none
+                successor = t.flights[0]
+                if successor.row.shifted:
+                    # Planned as if this row accepted all d drafts: it really starts d - a earlier,
+                    # on the token this row just sampled.
+                    assert successor.row.prev_step_id == frame.step_id
+                    successor.real_start = successor.row.start_pos - (d - a)
+                    assert successor.real_start == t.kv, "oracle: the moved-back successor misses the new token"
+                    k = successor.row.num_drafts
+                    assert k == 0 or (len(proposal) >= k and res.next_draft_ids is None), \
+                        f"oracle: step {successor.step_id} verifies {k} drafts step {frame.step_id} did not leave"
+                    successor.drafts = proposal[:k]
             expected.append((row.key, new, None, None))
         got = [(x.key, x.new_token_ids, x.finish_reason, x.error) for x in deltas]
         expected = [e for e in expected if e[1] or e[2]]
@@ -397,10 +514,12 @@ class Oracle:
         assert len(req.output_token_ids) <= t.params.max_tokens and req.num_tokens <= t.max_total, \
             f"key {key}: past max_tokens or the context"
         made = []  # an accepted draft was made by the step that proposed it, confirmed by a later one
-        for token, confirmed in zip(req.output_token_ids, t.origin_steps, strict=True):
+        for i, (token, confirmed) in enumerate(zip(req.output_token_ids, t.origin_steps, strict=True)):
             if token >= FRESH:
-                step, owner = self.origin[token]
+                step, owner, pos = self.origin[token]
                 assert owner == key and step <= confirmed, f"key {key}: token {token} came from {(step, owner)}"
+                assert pos == len(t.prompt) + i, \
+                    f"key {key}: output {i} (token {token}) was written at position {pos}, not {len(t.prompt) + i}"
                 made.append(step)
         assert made == sorted(made) and t.origin_steps == sorted(t.origin_steps), f"key {key}: out of step order"
         assert (req.spec.num_verify_steps, req.spec.num_draft_tokens, req.spec.num_accepted_tokens) == (
@@ -416,9 +535,9 @@ class Oracle:
         assert sched.requests.get(key) is req, f"key {key} should be alive"
         assert (req.status is Status.RUNNING) == (t.slot is not None), f"key {key}: status {req.status}"
         assert req.slot == (t.slot if t.slot is not None else -1), f"key {key}: slot {req.slot}, expected {t.slot}"
-        assert req.in_flight == len(t.flights) and req.num_placeholders == t.pending, \
-            f"key {key}: {req.in_flight} in flight / {req.num_placeholders} placeholders, " \
-            f"expected {len(t.flights)} / {t.pending}"
+        assert (req.in_flight, req.num_placeholders, req.num_unverified) == (len(t.flights), t.pending, t.unverified), \
+            f"key {key}: {req.in_flight} in flight / {req.num_placeholders} placeholders / " \
+            f"{req.num_unverified} unverified drafts, expected {len(t.flights)} / {t.pending} / {t.unverified}"
         if t.drafts_on_host:
             outstanding = (req.draft_token_ids, req.num_draft_slots) == (t.drafts, 0)
         else:
@@ -427,6 +546,11 @@ class Oracle:
                              f"outstanding per the oracle: {t.drafts}")
         if not t.flights:
             assert req.num_computed_tokens == t.kv, f"key {key}: {req.num_computed_tokens} computed, valid KV {t.kv}"
+        else:  # up to the last row in flight, as if it accepts all its drafts
+            last = t.flights[-1]
+            end = (last.real_start if last.real_start is not None else last.row.start_pos) + last.row.num_tokens
+            assert req.num_computed_tokens == end, f"key {key}: {req.num_computed_tokens} computed, " \
+                                                   f"the last row in flight ends at {end}"
 
 
 class Harness:

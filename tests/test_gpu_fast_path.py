@@ -71,3 +71,42 @@ def test_steady_state_decode_launches_without_host_sync(model_path: Path, tokeni
             torch.cuda.set_sync_debug_mode("default")
         core.ledger.apply(pending.result())
     assert core.runner.graphs.num_replays - before == 16
+
+
+@pytest.mark.slow
+def test_speculative_requests_run_ahead_without_host_sync(model_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """ngram drafts inside the step: the next step of each request is launched while the
+    current one runs, planned as if every draft is accepted, and no launch of a decode or
+    verification step waits for the device. Greedy output equals the eager engine's."""
+    from collections import deque
+
+    from tests.conftest import PROMPTS
+
+    spec = {"speculator": "ngram", "num_speculative_tokens": 4}
+    ids = prompts(tokenizer, PROMPTS[:4])
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    core = EngineCore(config(False, **spec))
+    assert core.scheduler.spec is not None and core.scheduler.spec.run_ahead
+    for key, p in enumerate(ids):
+        core.add_request(AddRequest(key, p, params))
+    out: dict[int, list[int]] = {key: [] for key in range(len(ids))}
+    in_flight: deque = deque()
+    checked = shifted = 0
+    while core.scheduler.requests or in_flight:
+        while len(in_flight) < 2 and (frame := core.scheduler.schedule()) is not None:
+            core.ledger.submit(frame)
+            decode = all(r.sampling is not None and r.num_tokens == 1 + r.num_drafts for r in frame.rows)
+            if decode:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                in_flight.append((frame, core.runner.launch(frame)))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            checked += decode
+            shifted += sum(r.shifted for r in frame.rows)
+        frame, pending = in_flight.popleft()
+        for delta in core._apply(pending.result(), frame):
+            out[delta.key] += delta.new_token_ids
+    assert checked > 20 and shifted > 10
+    assert core.stats()["spec"]["num_host_draft_copies"] == 0
+    assert out == run(EngineCore(config(True, **spec)), ids, params)

@@ -2,8 +2,9 @@
 
 The state machines drive Scheduler + Ledger + BlockManager through random add / schedule /
 apply / abort / preempt interleavings, with and without speculation (fixed and variable width,
-lookahead slots, K=0 steps), sync and async, and check every scheduled row and every apply
-against the model-free oracle in `ledger_oracle.py`.
+lookahead slots, K=0 steps), sync and async, and run-ahead (fixed width, async: a speculative
+request's next row planned as if its frame in flight accepts every draft), and check every
+scheduled row and every apply against the model-free oracle in `ledger_oracle.py`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class LedgerMachine(RuleBasedStateMachine):
     width: str | None = None
     """None: no speculator; 'fixed' or 'variable' draft width."""
     async_scheduling = False
+    run_ahead = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -49,7 +51,8 @@ class LedgerMachine(RuleBasedStateMachine):
         policy = None
         if self.width is not None:
             policy = SpecPolicy(num_speculative_tokens=k, lookahead_slots=lookahead,
-                                variable_width=self.width == "variable", skip_drafts=skip)
+                                variable_width=self.width == "variable", skip_drafts=skip,
+                                run_ahead=self.run_ahead)
         self.h = Harness(policy, self.async_scheduling, num_blocks=blocks, max_num_seqs=seqs,
                          max_num_batched_tokens=budget)
 
@@ -119,8 +122,12 @@ class AsyncVariableLedgerMachine(LedgerMachine):
     width, async_scheduling = "variable", True
 
 
+class AsyncRunAheadLedgerMachine(LedgerMachine):
+    width, async_scheduling, run_ahead = "fixed", True, True
+
+
 MACHINES = (LedgerMachine, AsyncLedgerMachine, FixedLedgerMachine, AsyncFixedLedgerMachine,
-            VariableLedgerMachine, AsyncVariableLedgerMachine)
+            VariableLedgerMachine, AsyncVariableLedgerMachine, AsyncRunAheadLedgerMachine)
 for machine in MACHINES:
     machine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
@@ -130,15 +137,18 @@ TestFixedLedgerMachine = FixedLedgerMachine.TestCase
 TestAsyncFixedLedgerMachine = AsyncFixedLedgerMachine.TestCase
 TestVariableLedgerMachine = VariableLedgerMachine.TestCase
 TestAsyncVariableLedgerMachine = AsyncVariableLedgerMachine.TestCase
+TestAsyncRunAheadLedgerMachine = AsyncRunAheadLedgerMachine.TestCase
 
 
 # --- a seeded walk: the same checks, and proof that the harness reaches every case ---------------
 
-WALK_CASES = [(None, False), (None, True), ("fixed", False), ("fixed", True), ("variable", False),
-              ("variable", True)]
+WALK_CASES = [(None, False, False), (None, True, False), ("fixed", False, False), ("fixed", True, False),
+              ("variable", False, False), ("variable", True, False), ("fixed", True, True)]
+"""(draft width, async scheduling, run-ahead)"""
 
 
-def walk(width: str | None, async_scheduling: bool, seed: int, steps: int = 1200) -> Counter[str]:
+def walk(width: str | None, async_scheduling: bool, seed: int, steps: int = 1200,
+         run_ahead: bool = False) -> Counter[str]:
     """Six kernels of random shape, driven with a seeded RNG and drained; returns the oracle's tallies."""
     rng = random.Random(seed)
     stats: Counter[str] = Counter()
@@ -146,7 +156,8 @@ def walk(width: str | None, async_scheduling: bool, seed: int, steps: int = 1200
         policy = None
         if width is not None:
             policy = SpecPolicy(num_speculative_tokens=rng.randint(1, 3), lookahead_slots=rng.randint(0, 3),
-                                variable_width=width == "variable", skip_drafts=rng.random() < 0.8)
+                                variable_width=width == "variable", skip_drafts=rng.random() < 0.8,
+                                run_ahead=run_ahead)
         h = Harness(policy, async_scheduling, num_blocks=rng.randint(8, 12), max_num_seqs=rng.randint(3, 4),
                     max_num_batched_tokens=rng.randint(4, 16))
         for _ in range(steps // 6):
@@ -167,11 +178,11 @@ def walk(width: str | None, async_scheduling: bool, seed: int, steps: int = 1200
     return stats
 
 
-@pytest.mark.parametrize(("width", "async_scheduling"), WALK_CASES)
-def test_seeded_walk_reaches_every_case(width: str | None, async_scheduling: bool) -> None:
+@pytest.mark.parametrize(("width", "async_scheduling", "run_ahead"), WALK_CASES)
+def test_seeded_walk_reaches_every_case(width: str | None, async_scheduling: bool, run_ahead: bool) -> None:
     """The state machines prove nothing about a case the harness cannot produce: a seeded walk
     with the same oracle must meet each one."""
-    stats = walk(width, async_scheduling, seed=1234)
+    stats = walk(width, async_scheduling, seed=1234, run_ahead=run_ahead)
     wanted = ["finish_stop", "finish_length", "finish_error", "finish_abort", "context_boundary", "preempted",
               "preempted_by_scheduler", "slot_reused", "stale_rows", "prefill_chunks"]
     if async_scheduling and width is None:
@@ -179,6 +190,13 @@ def test_seeded_walk_reaches_every_case(width: str | None, async_scheduling: boo
     if width is not None:
         wanted += ["rows_with_drafts", "accept_none", "accept_some", "accept_all", "eos_inside_drafts",
                    "stop_token_inside_drafts", "length_after_accepted_drafts", "k0_frames", "drafts_trimmed"]
+    if run_ahead:
+        # Run-ahead rows, behind frames that verify drafts, verifying drafts of their own, and
+        # really moved back on the device (their predecessor rejected some drafts).
+        wanted += ["placeholder_rows", "two_in_flight", "shifted_rows", "shifted_behind_drafts",
+                   "shifted_rows_with_drafts", "shifted_moved_back"]
+    else:
+        assert not stats["shifted_rows"], "a shifted row without run-ahead"
     missing = [w for w in wanted if not stats[w]]
     assert not missing, f"never reached: {missing} ({dict(stats)})"
 
@@ -326,3 +344,89 @@ def test_stale_row_never_lands_on_the_next_owner_of_its_slot() -> None:
     assert row.slot == frame.rows[0].slot  # the slot is reused at once
     assert ledger.apply(StepResult(frame.step_id, [RowResult(1, frame.rows[0].generation, [5])])) == []
     assert successor.output_token_ids == [] and ledger.num_stale_rows == 1
+
+
+# --- run-ahead ------------------------------------------------------------------------------------
+
+
+def run_ahead_kernel(k: int = 2) -> tuple[Scheduler, Ledger]:
+    sched = Scheduler(BlockManager(32, 4), 4, 32, SpecPolicy(num_speculative_tokens=k, lookahead_slots=k,
+                                                             variable_width=False, run_ahead=True),
+                      async_scheduling=True)
+    return sched, Ledger(sched)
+
+
+def test_run_ahead_row_is_planned_as_if_every_draft_is_accepted() -> None:
+    sched, ledger = run_ahead_kernel()
+    req = make(1, [11, 12, 13], max_tokens=20)
+    sched.add(req)
+    prefill = step(sched, ledger)  # samples output 0 at position 3, proposes 2 drafts on the device
+    g = prefill.rows[0].generation
+    (row,) = step(sched, ledger).rows  # at once: its input is that output, then the 2 drafts
+    assert (row.start_pos, row.num_placeholder_inputs, row.num_draft_slots, row.shifted, row.prev_step_id) == (
+        3, 1, 2, True, prefill.step_id)
+    assert row.sampling is not None and row.sampling.position == 1
+    ledger.apply(StepResult(prefill.step_id, [RowResult(1, g, [100], num_next_drafts=2)]))
+    (row,) = step(sched, ledger).rows  # behind a row verifying 2 drafts: as if it accepts both
+    assert (row.start_pos, row.num_draft_slots, row.shifted, row.prev_step_id) == (6, 2, True, prefill.step_id + 1)
+    assert row.sampling is not None and row.sampling.position == 4
+    assert (req.num_computed_tokens, req.num_unverified, req.num_placeholders) == (9, 4, 2)
+    # The verify row accepts 1 of its 2 drafts: the row behind it really starts at 6 - 1 = 5, on
+    # output 200, and samples output 4 - 1 = 3; its draft slots are its own frame's, not re-credited.
+    ledger.apply(StepResult(prefill.step_id + 1, [RowResult(1, g, [101, 200], 2, 1, num_next_drafts=2)]))
+    assert req.output_token_ids == [100, 101, 200]
+    assert (req.num_computed_tokens, req.num_unverified, req.num_placeholders, req.num_draft_slots) == (8, 2, 1, 2)
+
+
+def test_run_ahead_needs_room_even_if_every_draft_is_accepted() -> None:
+    sched, ledger = run_ahead_kernel()
+    req = make(1, [11, 12, 13], max_tokens=3)
+    sched.add(req)
+    prefill = step(sched, ledger)
+    g = prefill.rows[0].generation
+    ahead = step(sched, ledger)
+    assert ahead.rows[0].shifted and ahead.rows[0].num_draft_slots == 1  # output 1 and a draft: max_tokens
+    ledger.apply(StepResult(prefill.step_id, [RowResult(1, g, [100], num_next_drafts=2)]))
+    # Output 1 and its draft may fill max_tokens: nothing runs ahead, though a rejected draft
+    # would leave room for one more token.
+    assert sched.schedule() is None
+    ledger.apply(StepResult(ahead.step_id, [RowResult(1, g, [101], 1, 0, num_next_drafts=2)]))
+    (row,) = step(sched, ledger).rows
+    assert not row.shifted and (row.start_pos, row.token_ids, row.num_draft_slots) == (4, [101], 0)
+
+
+def test_run_ahead_successor_of_a_k0_frame_gets_no_draft_slots_back() -> None:
+    """A frame whose rows are sure to finish is K=0: the step before it, applied while it is in
+    flight, must not hand its drafts back to the request (they are void)."""
+    sched, ledger = run_ahead_kernel()
+    req = make(1, [11, 12, 13], max_tokens=2)
+    sched.add(req)
+    prefill = step(sched, ledger)
+    g = prefill.rows[0].generation
+    last = step(sched, ledger)
+    assert last.skip_drafts and last.rows[0].shifted and last.rows[0].num_draft_slots == 0
+    ledger.apply(StepResult(prefill.step_id, [RowResult(1, g, [100], num_next_drafts=2)]))
+    assert (req.draft_token_ids, req.num_draft_slots, req.num_computed_tokens) == ([], 0, 4)
+
+
+def test_run_ahead_successor_keeps_no_host_drafts_of_its_predecessor() -> None:
+    """A frame holding a structured-output request copies every row's drafts to the host. A
+    request that ran ahead of such a frame verifies its own frame's drafts next, never those:
+    the row behind it verifies K drafts, all on the device."""
+    sched, ledger = run_ahead_kernel()
+    x = make(1, [11, 12], max_tokens=20)
+    y = Request(2, [13, 14], SamplingParams(max_tokens=20, structured_output=True), 0, (EOS,), 100)
+    sched.add(x)
+    sched.add(y)
+    first = step(sched, ledger)
+    assert first.host_drafts
+    gx, gy = (r.generation for r in first.rows)
+    ahead = step(sched, ledger)  # x alone: y (structured output) waits for its frame
+    assert [(r.key, r.shifted, r.num_draft_slots) for r in ahead.rows] == [(1, True, 0)] and not ahead.host_drafts
+    ledger.apply(StepResult(first.step_id, [RowResult(1, gx, [100], next_draft_ids=[101, 102]),
+                                            RowResult(2, gy, [200], next_draft_ids=[201, 202])],
+                            num_host_draft_copies=1))
+    assert (x.draft_token_ids, x.num_draft_slots) == ([], 2), "drafts the row ahead overwrote stay with x"
+    ledger.apply(StepResult(ahead.step_id, [RowResult(1, gx, [103], num_next_drafts=2)]))
+    row = next(r for r in step(sched, ledger).rows if r.key == 1)
+    assert (row.start_pos, row.token_ids, row.draft_token_ids, row.num_draft_slots) == (3, [103], [], 2)

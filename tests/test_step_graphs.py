@@ -40,7 +40,11 @@ class ReplayGraph:
         self.call, self.out = call, out
 
     def replay(self) -> None:
-        self.out.packed.copy_(self.call().packed)
+        new = self.call()
+        self.out.packed.copy_(new.packed)
+        if self.out.drafts is not None:
+            assert new.drafts is not None
+            self.out.drafts.copy_(new.drafts)
 
     def pool(self) -> object:
         return None
@@ -171,17 +175,13 @@ def test_prefill_and_mixed_steps_run_eagerly() -> None:
     assert r.graphs is not None and r.graphs.num_replays == 0, "a prefill step is not a captured shape"
 
 
-@pytest.mark.parametrize("spec", [{}, {"speculator": "ngram", "num_speculative_tokens": 3}])
-def test_engine_with_replayed_graphs_equals_the_eager_engine(spec: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The whole engine (scheduler, ledger, runner, graphs) on a small random model: replayed
-    decode and verification steps, variable-width drafts included, give the eager tokens."""
+def graphs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU platform as a graph platform: Triton kernels (interpreted) and replayed doubles.
+    Greedy graphs only: padding rows of a sampling graph race over garbage, which the
+    interpreter refuses."""
     import msgspec
 
-    from speckernel.config import EngineConfig
-    from speckernel.engine_core import EngineCore
-    from speckernel.messages import AddRequest
     from speckernel.platforms.cpu import CpuPlatform
-    from speckernel.sampling_params import SamplingParams
 
     if DEV.type != "cpu":
         pytest.skip("the GPU runs real graphs (tests/test_gpu_fast_path.py)")
@@ -189,6 +189,18 @@ def test_engine_with_replayed_graphs_equals_the_eager_engine(spec: dict, monkeyp
                         msgspec.structs.replace(CpuPlatform.capabilities, triton=True, supports_graphs=True))
     monkeypatch.setattr(StepGraphs, "_record", ReplayGraphs._record)
     monkeypatch.setattr("speckernel.step_graphs.SAMPLING_KINDS", ((True, False),))
+
+
+@pytest.mark.parametrize("spec", [{}, {"speculator": "ngram", "num_speculative_tokens": 3}])
+def test_engine_with_replayed_graphs_equals_the_eager_engine(spec: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole engine (scheduler, ledger, runner, graphs) on a small random model: replayed
+    decode and verification steps, variable-width drafts included, give the eager tokens."""
+    from speckernel.config import EngineConfig
+    from speckernel.engine_core import EngineCore
+    from speckernel.messages import AddRequest
+    from speckernel.sampling_params import SamplingParams
+
+    graphs_on_the_cpu(monkeypatch)
     rng = np.random.default_rng(3)
     # Repetitive prompts, so that ngram finds matches of every length up to K.
     prompts = [(rng.integers(0, 40, 5).tolist() * 4)[: 9 + 3 * i] for i in range(5)]
@@ -210,3 +222,64 @@ def test_engine_with_replayed_graphs_equals_the_eager_engine(spec: dict, monkeyp
     replayed, graph_steps = run(False)
     assert graph_steps > 0
     assert replayed == eager
+
+
+def drive(core, depth: int) -> tuple[dict[int, list[int]], int]:  # type: ignore[no-untyped-def]
+    """Runs the core like its loop does, with up to `depth` frames in flight; returns each
+    request's tokens and how many rows were planned ahead of their predecessor (shifted)."""
+    from collections import deque
+
+    out: dict[int, list[int]] = {key: [] for key in core.scheduler.requests}
+    in_flight: deque = deque()
+    shifted = 0
+    while core.scheduler.requests or in_flight:
+        while len(in_flight) < depth and (frame := core.scheduler.schedule()) is not None:
+            core.ledger.submit(frame)
+            shifted += sum(row.shifted for row in frame.rows)
+            in_flight.append((frame, core.runner.launch(frame)))
+        frame, pending = in_flight.popleft()
+        for delta in core._apply(pending.result(), frame):
+            assert delta.error is None, delta.error
+            out[delta.key] += delta.new_token_ids
+    return out, shifted
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_run_ahead_speculation_equals_waiting_for_each_step(temperature: float,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a device-only speculator the next step of a speculative request is launched before
+    the accepted counts of the one in flight reach the host: planned as if every draft was
+    accepted, moved back on the device by what was rejected. Its tokens equal those of an
+    engine that waits for every step (seeded sampling included: the sampling index moves back
+    too), greedy ones equal plain decoding, and no draft ID ever reaches the host."""
+    from speckernel.config import EngineConfig
+    from speckernel.engine_core import EngineCore
+    from speckernel.messages import AddRequest
+    from speckernel.sampling_params import SamplingParams
+
+    graphs_on_the_cpu(monkeypatch)  # greedy graphs: sampled steps run eagerly, shifted rows and all
+    rng = np.random.default_rng(5)
+    prompts = [(rng.integers(0, 30, 4).tolist() * 5)[: 8 + 3 * i] for i in range(4)]
+
+    def run(depth: int, **spec: object) -> tuple[dict[int, list[int]], int, dict]:
+        core = EngineCore(EngineConfig(model="random:tiny", platform="cpu", dtype="float32", max_model_len=96,
+                                       max_num_seqs=4, num_kv_blocks=48, **spec))  # type: ignore[arg-type]
+        for key, p in enumerate(prompts):
+            params = SamplingParams(max_tokens=14, temperature=temperature, seed=key, ignore_eos=True)
+            assert core.add_request(AddRequest(key, p, params)) is None
+        out, shifted = drive(core, depth)
+        return out, shifted, core.stats()
+
+    ahead, shifted, stats = run(2, speculator="ngram", num_speculative_tokens=3)
+    assert shifted > 0, "no row ran ahead"
+    assert stats["spec"]["num_draft_tokens"] > 0 and stats["spec"]["num_host_draft_copies"] == 0
+    # Greedy accepts drafts (repetitive prompts); sampling on this random model rejects nearly all,
+    # so there every shifted row moves back and its sampling index with it.
+    assert stats["spec"]["num_accepted_tokens"] > 0 or temperature > 0
+    assert stats["num_graph_steps"] > 0 or temperature > 0
+    waiting, waiting_shifted, _ = run(1, speculator="ngram", num_speculative_tokens=3)
+    assert waiting_shifted == 0
+    assert ahead == waiting
+    if temperature == 0.0:
+        plain, _, _ = run(1, enforce_eager=True)
+        assert ahead == plain

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speckernel import fused_ops
+from speckernel import fused_ops, triton_attention
 from speckernel.attention import TorchPagedAttention
 from speckernel.models.config import ModelConfig
 from speckernel.models.llama import LlamaModel
@@ -76,7 +76,7 @@ CASES = {
     "decode": ([(1, 1), (15, 1), (16, 1), (17, 1), (40, 1), (129, 1), (300, 1)], 4, 2, 64, 16, torch.float32),
     "decode_bf16_bs32": ([(3, 1), (33, 1), (64, 1), (70, 1), (200, 1)], 4, 2, 64, 32, torch.bfloat16),
     "verify_gqa3": ([(20, 5), (37, 16), (16, 16), (150, 9)], 3, 1, 64, 16, torch.float32),
-    # with 2 splits of one 128-key tile, the first queries see no key of the second split
+    # with splits of one 128-key tile (MIN_SPLIT_KEYS 1), the first queries see no key of the second split
     "verify_split_edge": ([(140, 16), (129, 16), (260, 4)], 2, 2, 64, 16, torch.float32),
     "prefill_chunk_after_start": ([(150, 70)], 2, 1, 64, 16, torch.float32),
     "mixed_with_padding_row": ([(33, 1), (10, 0), (48, 9), (5, 5)], 2, 2, 128, 16, torch.float32),
@@ -90,12 +90,27 @@ def _is_short(name: str) -> bool:
     return max(n for _, n in rows) * heads // kv_heads <= 64
 
 
-@pytest.mark.parametrize(("name", "splits"),
-                         [(name, s) for name in CASES for s in ((None, 2, 3) if _is_short(name) else (None,))])
-def test_paged_attention_matches_reference(name: str, splits: int | None) -> None:
-    """splits: KV splits for short-query steps (None: the default, 1 off the GPU); long ones ignore it."""
-    rows, heads, kv_heads, head_dim, block_size, dtype = CASES[name]
-    q, kv, bt, seq_lens, qs = make_case(rows, heads, kv_heads, head_dim, block_size, dtype, pad_tokens=2)
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """torch.empty fills floating tensors with NaN, so a split partial that the combine reads but
+    no program wrote (or an output the kernels skip) shows as NaN instead of leftover memory.
+    Returns the list of those tensors, in the order they were made."""
+    real = torch.empty
+    made: list[torch.Tensor] = []
+
+    def empty(*args, **kwargs):  # type: ignore[no-untyped-def]
+        t = real(*args, **kwargs)
+        if t.is_floating_point():
+            made.append(t.fill_(float("nan")))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+    return made
+
+
+def _check_paged_attention(case: tuple, splits: int | None, seed: int = 0) -> torch.Tensor:  # type: ignore[type-arg]
+    rows, heads, kv_heads, head_dim, block_size, dtype = case
+    q, kv, bt, seq_lens, qs = make_case(rows, heads, kv_heads, head_dim, block_size, dtype, pad_tokens=2, seed=seed)
     scale = head_dim**-0.5
     sentinel = 123.0
     out = torch.full_like(q, sentinel)
@@ -105,9 +120,84 @@ def test_paged_attention_matches_reference(name: str, splits: int | None) -> Non
     assert got is out and got.dtype == q.dtype
     want = paged_attention_reference(q, kv, bt, seq_lens, qs, scale, block_size)
     t = int(qs[-1])
+    assert not got[:t].isnan().any()
     tol = TOL[dtype]
     torch.testing.assert_close(got[:t].float(), want[:t], atol=tol, rtol=tol)
     assert (got[t:] == sentinel).all(), "tokens past the last row are left untouched"
+    return got
+
+
+@pytest.mark.parametrize(("name", "splits", "min_keys"),
+                         [(name, s, m) for name in CASES
+                          for s, m in (((None, None), (2, None), (3, None), (2, 1), (3, 1)) if _is_short(name)
+                                       else ((None, None),))])
+@pytest.mark.usefixtures("poisoned_empty")
+def test_paged_attention_matches_reference(name: str, splits: int | None, min_keys: int | None,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """splits: KV splits for short-query steps (None: the default, 1 off the GPU); long ones ignore it.
+    min_keys: MIN_SPLIT_KEYS (None: the module's; 1 rounds up to one KV tile, so short contexts split too)."""
+    if min_keys is not None:
+        monkeypatch.setattr(triton_attention, "MIN_SPLIT_KEYS", min_keys)
+    _check_paged_attention(CASES[name], splits)
+
+
+SPLIT_CASES = {
+    # Default MIN_SPLIT_KEYS (256) with BLOCK_N 128 (M <= 16) or 64 (M <= 64): every used split holds
+    # >= 256 keys, so a row uses ceil(ctx / 256) splits when its share of the splits is smaller.
+    # 700 keys: 3 used splits (256 + 256 + 188) of the 4 or 16 allowed; the rest return at once.
+    "long_decode": ([(700, 1)], 2, 1, 64, 16, torch.float32),
+    # <= 256 keys: one used split, which writes the output itself; the combine returns at once.
+    "short_decode_many_splits": ([(200, 1), (1, 1), (256, 2)], 4, 2, 64, 16, torch.float32),
+    # rows of 1, 1, 2, 3 used splits and a padding row (no queries); 257 puts one key in split 2
+    "mixed_short_long_padding": ([(700, 1), (30, 1), (10, 0), (256, 1), (257, 1), (513, 1)], 4, 2, 64, 16,
+                                 torch.bfloat16),
+    # 16 queries at 244..259 straddle the split boundary at 256: the first 12 see no key of split 2
+    "verify_across_splits": ([(260, 16), (600, 4), (40, 3)], 2, 2, 64, 16, torch.float32),
+    # GQA 4 x 8 queries (M 32, BLOCK_N 64): 520 keys make 3 splits, the last holds only the queries' own keys
+    "verify_gqa_across_splits": ([(520, 8), (300, 5), (12, 8)], 8, 2, 64, 32, torch.float32),
+}
+
+
+@pytest.mark.parametrize("splits", [4, 16])
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+@pytest.mark.usefixtures("poisoned_empty")
+def test_paged_attention_splits_use_only_filled_splits(name: str, splits: int) -> None:
+    """Rows use only the splits their context fills at MIN_SPLIT_KEYS keys or more: a short row
+    takes the single-split direct write, a long one merges exactly its used partials (any partial
+    the combine reads unwritten is NaN here), padding rows and unused splits do nothing."""
+    assert triton_attention.MIN_SPLIT_KEYS == 256, "the cases' comments count splits of 256 keys"
+    _check_paged_attention(SPLIT_CASES[name], splits, seed=7)
+
+
+def test_paged_attention_unused_splits_write_nothing(poisoned_empty: list[torch.Tensor]) -> None:
+    """Which split programs write a partial: only the used ones of rows that need several (the
+    partials' layout is [row, kv head, split, BLOCK_M] rows of (m, l)); a row in one split writes
+    its output directly, a padding row nothing."""
+    rows = [(700, 1), (200, 1), (0, 0), (1000, 1), (256, 1), (257, 1)]
+    splits = 16
+    q, kv, bt, seq_lens, qs = make_case(rows, 2, 1, 64, 16, torch.float32, seed=2)
+    got = paged_attention(q, kv, bt, seq_lens, qs, 1, 64**-0.5, 16, out=torch.zeros_like(q), num_kv_splits=splits)
+    want = paged_attention_reference(q, kv, bt, seq_lens, qs, 64**-0.5, 16)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    (part_ml,) = [t for t in poisoned_empty if t.dim() == 2 and t.shape[1] == 2]
+    written = ~part_ml[:, 1].view(len(rows), 1, splits, -1).isnan()  # l of each (row, kv head, split, m)
+    assert (written.all(-1) == written.any(-1)).all(), "a split writes all its M rows or none"
+    used = written.all(-1)[:, 0].sum(1).tolist()
+    # 256 keys or more per split: ceil(700 / 256) = 3, ceil(1000 / 256) = 4, ceil(257 / 256) = 2
+    assert used == [3, 0, 0, 4, 0, 2]
+    assert (written.all(-1)[:, 0].cpu() == (torch.arange(splits) < torch.tensor(used)[:, None])).all()
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+def test_paged_attention_all_splits_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one tile per split (MIN_SPLIT_KEYS 1), 2048 keys fill all MAX_SPLITS splits, and
+    300 keys three of them, next to a single-split row and a padding row in the same launch."""
+    monkeypatch.setattr(triton_attention, "MIN_SPLIT_KEYS", 1)
+    n = triton_attention.MAX_SPLITS
+    rows = [(128 * n, 1), (300, 1), (0, 0), (100, 1)]
+    _check_paged_attention((rows, 2, 1, 64, 16, torch.float32), n, seed=11)
+    with pytest.raises(AssertionError, match="num_kv_splits"):
+        _check_paged_attention((rows, 2, 1, 64, 16, torch.float32), n + 1)
 
 
 def test_paged_attention_defaults_and_noncontiguous_q() -> None:
