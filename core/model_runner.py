@@ -79,6 +79,13 @@ class DeviceOutputs:
     """[R, draft_k] what a device-only speculator proposed (-1 ends a row), already in the buffer."""
 
 
+def confirmed_lens(seq_lens: torch.Tensor, num_drafts: torch.Tensor, samples: torch.Tensor,
+                   accepted: torch.Tensor) -> torch.Tensor:
+    """Each row's confirmed tokens after its step, on the device: the context it attended minus
+    its drafts, plus the accepted ones and the bonus token where it sampled."""
+    return seq_lens - num_drafts + torch.where(samples, accepted + 1, 0)
+
+
 class PendingStep:
     """A launched step: its RowResults once the device has run it."""
 
@@ -274,7 +281,7 @@ class ModelRunner:
             self.rejected[slot] = torch.where(samples, num_drafts - nacc, 0)
         drafts = None
         if self.device_spec:
-            seq_lens = meta.seq_lens - num_drafts + torch.where(samples, nacc + 1, 0)
+            seq_lens = confirmed_lens(meta.seq_lens, num_drafts, samples, nacc)
             drafts = self._device_speculate(meta, shape, slot, samples, nacc, seq_lens, captured)
         packed = torch.cat([out, nacc[:, None].to(out.dtype)], dim=1)
         return DeviceOutputs(packed, hidden, captured, drafts)
@@ -397,8 +404,7 @@ class ModelRunner:
         slot_index = meta.row_extra[:n, SLOT]
         accepted = out.packed[:n, -1]
         samples_device = meta.row_extra[:n, SAMPLES] > 0
-        seq_lens_device = (meta.seq_lens[:n] - meta.row_extra[:n, NUM_DRAFTS]
-                           + torch.where(samples_device, accepted + 1, 0))
+        seq_lens_device = confirmed_lens(meta.seq_lens[:n], meta.row_extra[:n, NUM_DRAFTS], samples_device, accepted)
         t = query_start[-1]
         states = TargetStates(
             tokens=self.pool.tokens, slots=slots, slot_index=slot_index,

@@ -72,11 +72,9 @@ class Scheduler:
             return req.num_computed_tokens == req.num_tokens
         # Planned as if every draft in flight is accepted: it must fit that case too, or its
         # positions could run past the request's blocks.
-        emitted = len(req.output_token_ids) + req.num_placeholders + req.num_unverified
         return (self.spec.run_ahead and not req.params.structured_output
                 and req.num_computed_tokens == req.num_tokens + req.num_unverified
-                and emitted < req.params.max_tokens
-                and req.num_tokens + req.num_placeholders + req.num_unverified < req.max_total_tokens)
+                and self.may_continue(req, every_draft_accepted=True))
 
     def schedule(self) -> StepFrame | None:
         budget = self.max_num_batched_tokens
@@ -189,10 +187,12 @@ class Scheduler:
         return self.draft_gate is not None and not self.draft_gate(len(rows))
 
     @staticmethod
-    def may_continue(req: Request) -> bool:
-        """False when req will surely stop after its next emitted token (even with no draft accepted)."""
-        emitted = len(req.output_token_ids) + req.num_placeholders
-        return emitted < req.params.max_tokens and req.num_tokens + req.num_placeholders < req.max_total_tokens
+    def may_continue(req: Request, every_draft_accepted: bool = False) -> bool:
+        """False when req will surely stop after its next emitted token (even with no draft
+        accepted; or, with every_draft_accepted, when the drafts in flight all count)."""
+        pending = req.num_placeholders + (req.num_unverified if every_draft_accepted else 0)
+        return (len(req.output_token_ids) + pending < req.params.max_tokens
+                and req.num_tokens + pending < req.max_total_tokens)
 
     def _release_slot(self, req: Request) -> None:
         if req.slot >= 0:
