@@ -99,6 +99,18 @@ class AttentionBackend(Protocol):
         layer's cache. Writes k, v into meta.slot_mapping, then attends; returns [T, heads, head_dim]."""
         ...
 
+    def write(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """k, v [N, kv_heads, head_dim] into one layer's cache at slot_mapping [N]; slots < 0 are
+        skipped. Reads only device tensors (a drafter's pass inside a captured step)."""
+        ...
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Each query q[n] [N, heads, head_dim] attends to the first seq_lens[n] positions of the
+        sequence with block table block_tables[n] [N, max_blocks]: a drafter's queries (one per
+        row, or one per block position with the table repeated), planned on the device only."""
+        ...
+
 
 def cache_slots(table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
     return table[positions // block_size] * block_size + positions % block_size
@@ -270,6 +282,24 @@ class PagedAttention:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         raise NotImplementedError
 
+    def write(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        # A boolean index waits for the device: fine where steps are planned on the host anyway
+        # (the Triton backend skips negative slots inside its kernel).
+        keep = slot_mapping >= 0
+        kv[0][slot_mapping[keep]] = k[keep].to(kv.dtype)
+        kv[1][slot_mapping[keep]] = v[keep].to(kv.dtype)
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        _n, width = block_tables.shape
+        ctx = torch.arange(width * self.block_size, device=q.device)
+        slots = block_tables[:, ctx // self.block_size] * self.block_size + ctx % self.block_size
+        mask = ctx[None, :] < seq_lens[:, None]
+        attended = F.scaled_dot_product_attention(
+            q[:, :, None], kv[0][slots].transpose(1, 2), kv[1][slots].transpose(1, 2),
+            attn_mask=mask[:, None, None], scale=scale, enable_gqa=True)
+        return attended[:, :, 0]
+
 
 class TorchPagedAttention(PagedAttention):
     """Grouped SDPA over each sequence's gathered context slots: runs wherever torch runs.
@@ -324,4 +354,19 @@ class TritonPagedAttention(PagedAttention):
 
         write_kv(k, v, kv, meta.slot_mapping)
         return paged_attention(q, kv, meta.block_tables, meta.seq_lens, meta.query_start, meta.max_query_len,
+                               scale, self.block_size)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        from .triton_attention import write_kv
+
+        write_kv(k, v, kv, slot_mapping.contiguous())
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        from .triton_attention import paged_attention
+
+        # The kernels index lengths and slots as dense arrays: a caller's expanded view (one row's
+        # length repeated per query is a stride-0 view when there is one row) must be copied.
+        query_start = torch.arange(q.shape[0] + 1, device=q.device)
+        return paged_attention(q.contiguous(), kv, block_tables.contiguous(), seq_lens.contiguous(), query_start, 1,
                                scale, self.block_size)

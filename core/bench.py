@@ -27,6 +27,7 @@ import msgspec
 import numpy as np
 
 from .config import EngineConfig
+from .errors import InvalidInputError
 
 MISSING = "\N{EN DASH}"
 """What a table shows where a figure does not apply."""
@@ -43,14 +44,23 @@ def base_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def with_speculator(config: EngineConfig, args: argparse.Namespace, name: str | None) -> EngineConfig:
+    """name is NAME[:K[:KEY=VALUE,...]]: K and options of that run, else --num-speculative-tokens
+    and --speculator-option."""
     if name is None:
         return config
     from .cli import parse_options
 
-    return msgspec.structs.replace(config, speculator=name, num_speculative_tokens=args.num_speculative_tokens,
+    spec, _, rest = name.partition(":")
+    k_text, _, option_text = rest.partition(":")
+    try:
+        k = int(k_text) if k_text else args.num_speculative_tokens
+    except ValueError:
+        raise InvalidInputError(f"--speculator {name!r}: expected NAME[:K[:KEY=VALUE,...]]") from None
+    options = option_text.split(",") if option_text else args.speculator_option
+    return msgspec.structs.replace(config, speculator=spec, num_speculative_tokens=k,
                                    draft_model=args.draft_model,
                                    adaptive_speculation=getattr(args, "adaptive_speculation", False),
-                                   speculator_options=parse_options(args.speculator_option))
+                                   speculator_options=parse_options(options))
 
 
 # --- the report ------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import anyio
+import msgspec
 from tqdm import tqdm
 
 from .async_engine import AsyncEngine
@@ -21,14 +22,19 @@ from .sampling_params import SamplingParams
 
 
 async def run_one(config: EngineConfig, conversations: list[list[dict[str, str]]],
-                  params: SamplingParams, label: str) -> dict[str, Any]:
+                  params: SamplingParams, label: str, concurrency: int = 0) -> dict[str, Any]:
     async with AsyncEngine(config) as engine:
         outputs: list[list[int]] = [[] for _ in conversations]
         bar = tqdm(total=len(conversations), desc=label, unit="req", file=sys.stderr, disable=None)
+        limit = anyio.Semaphore(concurrency or len(conversations))
+        if concurrency:  # compile and capture before the clock starts
+            async for _ in engine.chat(conversations[0], msgspec.structs.replace(params, max_tokens=8)):
+                pass
 
         async def one(i: int) -> None:
-            async for out in engine.chat(conversations[i], params):
-                outputs[i] = out.token_ids
+            async with limit:
+                async for out in engine.chat(conversations[i], params):
+                    outputs[i] = out.token_ids
             bar.update(1)
 
         started = time.monotonic()
@@ -51,9 +57,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     base = base_config(args)
     runs: dict[str, Any] = {}
     for name in [None, *(args.speculator or ["ngram", "draft_model"])]:
-        label = "none" if name is None else f"{name}{args.label or ''}"
+        label = "none" if name is None else f"{name.split(':')[0]}{args.label or ''}"
+        if name is not None and ":" in name:
+            label = f"{label} K={name.split(':')[1]}"
         print(f"bench accept: {label} on {len(conversations)} prompts", file=sys.stderr)
-        runs[label] = await run_one(with_speculator(base, args, name), conversations, params, label)
+        runs[label] = await run_one(with_speculator(base, args, name), conversations, params, label,
+                                    args.concurrency)
     reference = runs["none"]["outputs"]
     for r in runs.values():
         r["identical_to_no_speculation"] = sum(a == b for a, b in zip(r["outputs"], reference, strict=True))
@@ -63,6 +72,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "dataset": f"HumanEval ({len(conversations)} prompts, chat template)",
         "max_tokens": args.max_tokens,
         "num_speculative_tokens": args.num_speculative_tokens,
+        "concurrency": args.concurrency or len(conversations),
         "runs": runs,
     }
 
@@ -71,7 +81,8 @@ def markdown(report: dict[str, Any]) -> list[str]:
     first = next(iter(report["runs"].values()))
     lines = [
         f"# Acceptance on {report['dataset']}, temperature 0, max_tokens {report['max_tokens']}, "
-        f"K={report['num_speculative_tokens']}",
+        f"K={report['num_speculative_tokens']} unless the row says, {report.get('concurrency', 'all')} requests in "
+        "flight",
         "",
         f"Command: `{report['command']}`  ",
         f"Platform: {first['platform']} ({first['dtype']}), host {report['host']}",

@@ -65,6 +65,8 @@ def accept_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", default=None, help="name of the speculative runs in the table")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    p.add_argument("--concurrency", type=int, default=0,
+                   help="requests in flight at once (0: all; 1 gives tokens/s at batch 1)")
     engine_flags(p)
 
 

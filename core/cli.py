@@ -67,8 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list discovered speculators, platforms and transports")
     plugins.add_argument("--json", action="store_true")
     from .bench_cli import add_arguments
+    from .train_drafter import add_arguments as add_train_arguments
 
     add_arguments(sub)
+    add_train_arguments(sub)
     return parser
 
 
@@ -194,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import main as bench_main
 
             return bench_main(args)
+        if args.command == "train-drafter":
+            from .train_drafter import train
+
+            train(args)
+            return 0
         command = cmd_generate if args.command == "generate" else cmd_chat
         return anyio.run(command, args)
     except InvalidInputError as e:

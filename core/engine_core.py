@@ -64,13 +64,13 @@ class EngineCore:
                       model_cfg.max_position)
         # The speculator is checked before any weight is read: bad names, options and
         # capabilities this target or platform cannot serve fail here, before any request.
-        spec_cls, ctx = self._check_speculator(model_cfg, path, max_len)
+        spec_cls, ctx, caps = self._check_speculator(model_cfg, path, max_len)
         k = config.num_speculative_tokens if spec_cls is not None else 0
         draft_bytes = spec_cls.draft_kv_bytes_per_token(ctx) if spec_cls is not None else 0
         per_block = kv_bytes_per_block(model_cfg, config.block_size, self.dtype) + draft_bytes * config.block_size
         num_blocks = config.num_kv_blocks or max(1, (config.kv_cache_bytes or self.platform.kv_budget_bytes())
                                                  // per_block)
-        lookahead = spec_cls.capabilities.lookahead_slots(k) if spec_cls is not None else 0
+        lookahead = caps.lookahead_slots(k) if caps is not None else 0
         # One request must always fit alone, or preemption could never make progress.
         self.max_model_len = min(max_len, num_blocks * config.block_size - lookahead)
         if self.max_model_len < 2:
@@ -85,7 +85,8 @@ class EngineCore:
                                        device=self.platform.device)
             ctx = dataclasses.replace(
                 ctx, max_model_len=self.max_model_len, num_kv_blocks=num_blocks, draft_kv=draft_kv,
-                attention=self.platform.attention_backend(config.block_size, config.max_num_batched_tokens))
+                attention=self.platform.attention_backend(config.block_size, config.max_num_batched_tokens),
+                num_slots=config.max_num_seqs + 1)
             self.speculator = spec_cls(ctx)
         max_blocks = -(-(self.max_model_len + lookahead + k + 1) // config.block_size)
         attention = self.platform.attention_backend(config.block_size, config.max_num_batched_tokens,
@@ -94,7 +95,6 @@ class EngineCore:
         # pad to K anyway): variable-width drafts are padded with -1 there instead of copied to
         # the host, and a device-only speculator's requests run ahead of their accepted counts.
         device_planned = getattr(attention, "device_planned", False)
-        caps = spec_cls.capabilities if spec_cls is not None else None
         variable_width = caps is not None and caps.draft_width == "variable" and not device_planned
         run_ahead = (caps is not None and caps.device_only and device_planned and config.async_scheduling
                      and not variable_width)
@@ -136,29 +136,30 @@ class EngineCore:
         self.log.info("engine_core_ready", platform=self.platform.name, dtype=str(self.dtype),
                       num_kv_blocks=num_blocks, max_model_len=self.max_model_len, model=str(path))
 
-    def _check_speculator(self, model_cfg: ModelConfig, path: Path,
-                          max_len: int) -> tuple[Any, SpeculatorContext | None]:
+    def _check_speculator(self, model_cfg: ModelConfig, path: Path, max_len: int
+                          ) -> tuple[Any, SpeculatorContext | None, SpeculatorCapabilities | None]:
         name = self.config.speculator
         if name is None:
-            return None, None
+            return None, None, None
         cls = plugins.load("speculator", name)
-        caps: SpeculatorCapabilities = cls.capabilities
         k = self.config.num_speculative_tokens
-        if k > caps.max_k:
-            raise InvalidInputError(f"speculator {name!r} drafts at most {caps.max_k} tokens; got K={k}")
-        bad_layers = [layer for layer in caps.target_hidden_layers if not 0 <= layer < model_cfg.num_layers]
-        if bad_layers:
-            raise InvalidInputError(f"speculator {name!r} needs hidden states of layers {bad_layers}; "
-                                    f"the target has {model_cfg.num_layers}")
-        if caps.placement != "local_last_stage":
-            raise InvalidInputError(f"speculator {name!r} needs remote placement, which this runner cannot serve yet")
+        if k > cls.capabilities.max_k:
+            raise InvalidInputError(f"speculator {name!r} drafts at most {cls.capabilities.max_k} tokens; got K={k}")
         ctx = SpeculatorContext(
             target=model_cfg, target_path=path, device=self.platform.device, dtype=self.dtype,
             block_size=self.config.block_size, max_model_len=max_len, num_speculative_tokens=k,
             options=parse_options(name, cls.Options, dict(self.config.speculator_options)),
             draft_model=self.config.draft_model)
         cls.check(ctx)
-        return cls, ctx
+        for_target = getattr(cls, "capabilities_for", None)
+        caps: SpeculatorCapabilities = for_target(ctx) if for_target is not None else cls.capabilities
+        bad_layers = [layer for layer in caps.target_hidden_layers if not 0 <= layer < model_cfg.num_layers]
+        if bad_layers:
+            raise InvalidInputError(f"speculator {name!r} needs hidden states of layers {bad_layers}; "
+                                    f"the target has {model_cfg.num_layers}")
+        if caps.placement != "local_last_stage":
+            raise InvalidInputError(f"speculator {name!r} needs remote placement, which this runner cannot serve yet")
+        return cls, ctx, caps
 
     def ready_message(self) -> CoreReady:
         return CoreReady(platform=self.platform.name, dtype=str(self.dtype).removeprefix("torch."),

@@ -312,7 +312,8 @@ class ModelRunner:
         states = TargetStates(
             tokens=self.pool.tokens, slots=[], slot_index=slot, generations=[], start_pos=[], query_start=[],
             positions=meta.positions, num_drafts=[], accepted=accepted, seq_lens=[], samples=[], sampling=[],
-            block_tables=[], hidden=captured, seq_lens_device=seq_lens, samples_device=samples, target=self.target)
+            block_tables=[], hidden=captured, seq_lens_device=seq_lens, samples_device=samples, target=self.target,
+            attention=meta)
         if not shape.draft_k:
             self.speculator.sync(states)
             return None
@@ -412,7 +413,7 @@ class ModelRunner:
             positions=meta.positions[:t], num_drafts=num_drafts, accepted=accepted, seq_lens=seq_lens,
             samples=samples, sampling=[r.sampling for r in rows], block_tables=[r.block_ids for r in rows],
             hidden={layer: h[:t] for layer, h in out.captured.items()}, seq_lens_device=seq_lens_device,
-            samples_device=samples_device, target=self.target)
+            samples_device=samples_device, target=self.target, attention=meta)
         spec = self.speculator
         k = frame.num_speculative_tokens
         sampling_idx = [i for i in range(n) if samples[i]]

@@ -26,9 +26,10 @@ from .errors import InvalidInputError
 from .frame import RowSampling
 from .models.builtin import resolve as resolve_model
 from .models.config import ModelConfig
-from .models.llama import LlamaModel
+from .models.llama import LlamaModel, RMSNorm
 from .models.loader import load_model, read_config
 from .models.paged import new_kv_cache
+from .models.rope import apply_rope, cos_sin_table
 from .sampler import draw_seed
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "LlamaModel",
     "ModelConfig",
     "NoOptions",
+    "RMSNorm",
     "RowSampling",
     "Speculator",
     "SpeculatorBase",
@@ -46,6 +48,9 @@ __all__ = [
     "SpeculatorContext",
     "TargetModel",
     "TargetStates",
+    "TrainBatch",
+    "apply_rope",
+    "cos_sin_table",
     "draw_seed",
     "load_model",
     "new_kv_cache",
@@ -60,6 +65,8 @@ class SpeculatorCapabilities(msgspec.Struct, frozen=True, kw_only=True):
     drafts and the real IDs must reach the host."""
     supports_k0: bool
     """Can run a sync-only pass (keep its state in step) without drafting."""
+    k0_pass: str = ""
+    """What that sync pass does, in words (`speckernel plugins` shows it)."""
     max_k: int
     lookahead_slots_per_draft: int = 0
     """KV slots written beyond the verified query, per draft token."""
@@ -110,6 +117,8 @@ class SpeculatorContext:
     draft_kv: torch.Tensor | None = None
     """Flat uint8 buffer of num_kv_blocks * block_size * draft_kv_bytes_per_token bytes, carved
     from the same budget as the target's KV cache and indexed by the target's block tables."""
+    num_slots: int = 0
+    """Rows of the token buffer (`TargetStates.tokens`): per-slot state is indexed by slot."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +173,11 @@ class TargetStates:
     samples_device: torch.Tensor
     """[R] bool on the device: samples."""
     target: TargetModel | None = None
+    attention: AttentionMetadata | None = None
+    """The step's attention plan on the device (positions, cache slots, query offsets, context
+    lengths, block tables; moved back where run-ahead shifted a row). A drafter whose KV is
+    indexed like the target's runs a layer over the step's tokens with
+    `attention.backend.forward(q, k, v, its_kv_layer, attention, scale)`."""
 
     @property
     def num_rows(self) -> int:
@@ -206,10 +220,37 @@ class Speculator(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class TrainBatch:
+    """What `speckernel train-drafter` hands a learned drafter's loss: token sequences that the
+    target itself wrote, and what the target computed over them."""
+
+    tokens: torch.Tensor
+    """[B, T] int64."""
+    labels: torch.Tensor
+    """[B, T] int64: the target's greedy prediction of the token after each position."""
+    mask: torch.Tensor
+    """[B, T] bool: positions whose label counts (the responses, not padding)."""
+    hidden: dict[int, torch.Tensor]
+    """Layer -> [B, T, H]: the residual stream after each requested target layer."""
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    """Layer -> (K, V), each [B, T, kv_heads, head_dim], K roped: the target's KV rows at each
+    requested layer."""
+    target: TargetModel
+    """The target's embedding, final norm and head (frozen)."""
+
+
 class SpeculatorBase:
     """Defaults for the optional parts of the contract; subclassing it is optional."""
 
     Options: ClassVar[type[msgspec.Struct]] = NoOptions
+
+    @classmethod
+    def capabilities_for(cls, ctx: SpeculatorContext) -> SpeculatorCapabilities:
+        """The capabilities for this target and these options (a learned drafter reads the
+        target layers it consumes from its checkpoint). The kernel calls it after `check`; an
+        instance exposes the same as `capabilities`."""
+        return cls.capabilities  # type: ignore[attr-defined, no-any-return]
 
     @classmethod
     def check(cls, ctx: SpeculatorContext) -> None:

@@ -224,6 +224,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slot_mapping: t
     if t == 0:
         return
     assert v.shape == k.shape and kv.shape[0] == 2 and kv.shape[2:] == (kvh, d)
+    assert slot_mapping.is_contiguous(), "slots are read as a dense array"
     assert k.stride(2) == 1 and v.stride(2) == 1 and kv.stride(3) == 1, "head_dim must be contiguous"
     _kernels().write_kv[(t,)](
         k, v, kv, slot_mapping,
@@ -304,6 +305,7 @@ def paged_attention(
     assert h % kvh == 0, "query heads must be a multiple of kv heads"
     assert kv.shape[0] == 2 and kv.shape[3] == d
     assert q.stride(2) == 1 and kv.stride(3) == 1, "head_dim must be contiguous"
+    assert seq_lens.is_contiguous() and query_start.is_contiguous(), "lengths are read as dense arrays"
     if out is None:
         out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     assert out.shape == q.shape and out.stride(2) == 1

@@ -54,6 +54,7 @@ class SlotKV:
 class DraftModelSpeculator(SpeculatorBase):
     name = "draft_model"
     capabilities = SpeculatorCapabilities(draft_width="fixed", supports_k0=True, max_k=16,
+                                          k0_pass="draft prefill: the draft model takes in the confirmed tokens",
                                           lookahead_slots_per_draft=1, sampled_drafts=True)
     Options = DraftModelOptions
 

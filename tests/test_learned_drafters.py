@@ -1,0 +1,121 @@
+"""The learned drafters end to end: `speckernel train-drafter` on a target's own answers, then
+serving the checkpoint it wrote. A drafter trained on what a small random target says must
+predict it when served (training and serving compute the same thing), and output stays the
+target's own, token for token. Plus the checkpoint contract: shapes checked against the target,
+capabilities declared for `speckernel plugins`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from speckernel import plugins
+from speckernel.cli import build_parser
+from speckernel.config import EngineConfig
+from speckernel.engine_core import EngineCore
+from speckernel.errors import InvalidInputError
+from speckernel.sampling_params import SamplingParams
+from speckernel.train_data import Sequences
+from speckernel.train_drafter import LEARNED, train
+
+from .conftest import run_to_completion
+
+TARGET = "random:tiny,num_layers=6"
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+K = {"mtp": 3, "eagle3": 3, "dflash": 3, "dspark": 3, "causal_cascade": 3}
+
+
+def core_for(speculator: str | None = None, **kw) -> EngineCore:  # type: ignore[no-untyped-def]
+    return EngineCore(EngineConfig(model=TARGET, platform="cpu", max_model_len=256, speculator=speculator, **kw))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, 500, size=int(rng.integers(4, 12))).tolist() for _ in range(12)]
+
+
+@pytest.fixture(scope="module")
+def plain(prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    return run_to_completion(core_for(), prompts, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def data(prompts, plain, tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
+    path = tmp_path_factory.mktemp("data") / "data.npz"
+    Sequences.pack(list(zip(prompts, plain, strict=True))).save(path)
+    return path
+
+
+def train_args(method: str, data: Path, out: Path, steps: int) -> list[str]:
+    return ["train-drafter", "--method", method, "--target", TARGET, "--data", str(data), "--out", str(out),
+            "--steps", str(steps), "--batch-size", "8", "--seq-len", "40", "--lr", "3e-3", "--warmup", "5",
+            "--save-every", "20", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("method", LEARNED)
+def test_a_trained_drafter_predicts_its_target_and_changes_no_token(method, data, prompts, plain,
+                                                                     tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / method
+    summary = train(build_parser().parse_args(train_args(method, data, out, 120)))
+    assert summary["steps"] == 120
+    assert (out / "model.safetensors").is_file() and (out / "loss.png").is_file()
+    core = core_for(method, num_speculative_tokens=K[method], draft_model=str(out))
+    assert run_to_completion(core, prompts, GREEDY) == plain
+    spec = core.stats()["spec"]
+    # An untrained drafter accepts next to nothing here; one that learned the target's answers
+    # (and is served the way it was trained) accepts most of its drafts.
+    assert spec["mean_acceptance_length"] > 2.0, spec
+
+
+def test_training_resumes_where_it_stopped(data, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "mtp"
+    train(build_parser().parse_args(train_args("mtp", data, out, 20)))
+    first = json.loads((out / "train_log.json").read_text())["log"]
+    summary = train(build_parser().parse_args(train_args("mtp", data, out, 30)))
+    assert summary["steps"] == 30
+    log = json.loads((out / "train_log.json").read_text())["log"]
+    assert [e["step"] for e in log] == list(range(1, 31)) and log[:20] == first
+
+
+def test_a_checkpoint_for_another_target_is_refused(data, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "eagle3"
+    train(build_parser().parse_args(train_args("eagle3", data, out, 1)))
+    with pytest.raises(InvalidInputError, match="trained for a target"):
+        EngineCore(EngineConfig(model="random:tiny,num_layers=6,hidden_size=128", platform="cpu",
+                                max_model_len=256, speculator="eagle3", draft_model=str(out)))
+    with pytest.raises(InvalidInputError, match="holds a eagle3 drafter"):
+        core_for("mtp", draft_model=str(out))
+    with pytest.raises(InvalidInputError, match="no config\\.json"):
+        core_for("mtp", draft_model=str(tmp_path))
+
+
+def test_plugins_json_declares_width_and_k0_pass() -> None:
+    listed = plugins.describe()["speculators"]
+    assert {n for n in LEARNED if listed[n]["draft_width"] == "fixed"} == {"mtp", "eagle3"}
+    assert {n for n in LEARNED if listed[n]["draft_width"] == "variable"} == {"dflash", "dspark", "causal_cascade"}
+    assert all(listed[n]["supports_k0"] and listed[n]["device_only"] and listed[n]["k0_pass"] for n in LEARNED)
+
+
+def test_triton_attend_takes_a_rows_length_repeated_per_query() -> None:
+    """A block drafter's queries of one row carry that row's table and length as expanded views
+    (stride 0 when there is one row); the Triton backend must read them as the torch one does."""
+    import torch
+
+    from speckernel.attention import TorchPagedAttention, TritonPagedAttention
+
+    torch.manual_seed(0)
+    bs, queries = 4, 8
+    kv = torch.randn(2, 64, 2, 16)
+    tables = torch.tensor([[3, 1, 7, 2, 5]])
+    lens = torch.tensor([17])
+    q_tables = tables[:, None].expand(1, queries, 5).reshape(queries, -1)
+    q_lens = lens[:, None].expand(1, queries).reshape(-1)
+    assert q_lens.stride(0) == 0 and q_tables.stride(0) == 0  # the case that read past the lengths
+    q = torch.randn(queries, 4, 16)
+    want = TorchPagedAttention(bs, 16, torch.device("cpu")).attend(q, kv, q_tables, q_lens, 0.25)
+    got = TritonPagedAttention(bs, 16, torch.device("cpu")).attend(q, kv, q_tables, q_lens, 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,158 @@
+"""The drafter training corpus: deterministic, the intended mix, and nothing of HumanEval in it."""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from speckernel import train_corpus as tc
+
+FENCE = "```python\n"
+
+
+@pytest.fixture(scope="module")
+def stubs() -> list[str]:
+    return tc.stdlib_functions()
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[list[dict[str, str]]]:
+    # 8000 is more than the stubs and the requests on hand, so repeats and variations are covered.
+    return tc.build_corpus(8000, seed=0)
+
+
+@pytest.fixture(scope="module")
+def humaneval() -> list[dict[str, str]]:
+    """The HumanEval problems if they are already cached; never downloaded here."""
+    try:
+        from speckernel.datasets import HUMANEVAL
+        from speckernel.models.builtin import cache_dir, fetch
+
+        if not (cache_dir() / Path(HUMANEVAL.member).name).exists():
+            pytest.skip("HumanEval is not cached")
+        with gzip.open(fetch(HUMANEVAL), "rt") as f:
+            return [json.loads(line) for line in f]
+    except Exception as e:  # a broken cache must not fail the corpus tests
+        pytest.skip(f"HumanEval unavailable: {e}")
+
+
+def source(content: str, stub_set: set[str]) -> str:
+    """Which source a prompt came from: a stdlib stub, a programming or a general request."""
+    if FENCE in content:
+        block = content.split(FENCE, 1)[1].split("```", 1)[0]
+        if block in stub_set:
+            return "stubs"
+    if any(text in content for text in tc.PROGRAMMING_INSTRUCTIONS):
+        return "programming"
+    if any(text in content for text in tc.GENERAL_INSTRUCTIONS):
+        return "general"
+    raise AssertionError(f"prompt from no known source: {content[:200]!r}")
+
+
+def ngrams(text: str, n: int = 13) -> set[tuple[str, ...]]:
+    words = re.findall(r"[a-z0-9]+", text.lower())
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def test_stubs_are_humaneval_shaped(stubs: list[str]) -> None:
+    assert len(stubs) > 1000
+    assert len(set(stubs)) == len(stubs)
+    assert tc.stdlib_functions(limit=10) == stubs[:10]
+    for stub in stubs:
+        tree = ast.parse(stub + "    pass\n")
+        assert len(tree.body) == 1
+        fn = tree.body[0]
+        assert isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef)
+        assert not fn.name.startswith("_")
+        assert len(ast.get_docstring(fn) or "") >= tc.MIN_DOCSTRING
+        assert [type(s) for s in fn.body] == [ast.Expr, ast.Pass]  # docstring only, no body
+
+
+def test_deterministic_for_a_seed() -> None:
+    assert tc.build_corpus(500, seed=3) == tc.build_corpus(500, seed=3)
+    assert tc.build_corpus(500, seed=3) != tc.build_corpus(500, seed=4)
+
+
+@pytest.mark.parametrize("count", [0, 1, 7, 333])
+def test_count_is_honoured(count: int) -> None:
+    conversations = tc.build_corpus(count)
+    assert len(conversations) == count
+    for messages in conversations:
+        assert len(messages) == 1 and messages[0]["role"] == "user" and messages[0]["content"]
+
+
+def test_negative_count_is_refused() -> None:
+    with pytest.raises(ValueError):
+        tc.build_corpus(-1)
+
+
+def test_mix(corpus: list[list[dict[str, str]]], stubs: list[str]) -> None:
+    assert len(tc.INSTRUCTIONS) >= 150
+    assert len(set(tc.INSTRUCTIONS)) == len(tc.INSTRUCTIONS)
+    contents = [m[0]["content"] for m in corpus]
+    assert len(set(contents)) == len(contents)  # repeats always come back as a different prompt
+    stub_set = set(stubs)
+    sources = [source(c, stub_set) for c in contents]
+    counts = {name: sources.count(name) for name in ("stubs", "programming", "general")}
+    assert counts == tc.corpus_mix(len(corpus))
+    assert 0.22 <= counts["general"] / len(corpus) <= 0.28
+    assert 0.72 <= (counts["stubs"] + counts["programming"]) / len(corpus) <= 0.78
+    stub_prompts = [c for c, s in zip(contents, sources, strict=True) if s == "stubs"]
+    humaneval_phrased = sum(c.startswith(tc.HUMANEVAL_TEMPLATE.split("{", 1)[0]) for c in stub_prompts)
+    assert 0.4 <= humaneval_phrased / len(stub_prompts) <= 0.6
+    assert len({c.split(FENCE, 1)[0] for c in stub_prompts}) >= 4  # several phrasings
+
+
+def test_small_corpus_uses_each_request_once() -> None:
+    conversations = tc.build_corpus(400, seed=1)
+    contents = [m[0]["content"] for m in conversations]
+    requests = [c for c in contents if c in tc.INSTRUCTIONS]
+    assert len(requests) == tc.corpus_mix(400)["programming"] + tc.corpus_mix(400)["general"]
+    assert len(set(requests)) == len(requests)
+
+
+def test_no_humaneval(humaneval: list[dict[str, str]], stubs: list[str],
+                      corpus: list[list[dict[str, str]]]) -> None:
+    entry_points = {p["entry_point"] for p in humaneval}
+    assert entry_points == tc.HUMANEVAL_ENTRY_POINTS
+    names = {ast.parse(s + "    pass\n").body[0].name for s in stubs}  # type: ignore[attr-defined]
+    assert not {n.lower() for n in names} & {e.lower() for e in entry_points}
+    texts = [m[0]["content"] for m in corpus] + stubs + list(tc.INSTRUCTIONS)
+    # A definition of an entry point (not `>>> def f():` in some doctest example).
+    defines = re.compile(rf"^\s*(?:async\s+)?def\s+(?:{'|'.join(map(re.escape, entry_points))})\s*\(", re.M)
+    prompts = [p["prompt"].strip() for p in humaneval]
+    bodies = [p[p.index("def "):] for p in prompts]  # without the imports above the function
+    humaneval_grams = set().union(*(ngrams(p) for p in prompts))
+    for text in texts:
+        assert not defines.search(text), text[:200]
+        assert not any(p in text for p in prompts + bodies), text[:200]
+        assert not ngrams(text) & humaneval_grams, text[:200]
+
+
+@pytest.mark.parametrize("name", ["corpus.jsonl", "corpus.jsonl.gz"])
+def test_write_read_round_trip(tmp_path: Path, name: str) -> None:
+    conversations = tc.build_corpus(50, seed=2)
+    path = tmp_path / name
+    tc.write_corpus(path, conversations)
+    assert tc.read_corpus(path) == conversations
+    assert tc.read_corpus(str(path)) == conversations
+    raw = path.read_bytes()
+    assert raw.startswith(b"\x1f\x8b") == name.endswith(".gz")
+    text = gzip.decompress(raw).decode() if name.endswith(".gz") else raw.decode()
+    lines = text.splitlines()
+    assert len(lines) == 50 and all(set(json.loads(line)) == {"messages"} for line in lines)
+    tc.write_corpus(path, conversations)
+    assert path.read_bytes() == raw  # same corpus, same bytes (gzip without a timestamp)
+
+
+def test_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "c.jsonl.gz"
+    assert tc.main(["--out", str(out), "--count", "40", "--seed", "5"]) == 0
+    assert tc.read_corpus(out) == tc.build_corpus(40, seed=5)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "40 conversations" in err[0] and "stdlib" in err[0]
