@@ -205,7 +205,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 def plot_loss(log: list[dict[str, float]], path: Path, title: str) -> None:
     if not log:
         return
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("train-drafter: matplotlib not installed, no loss.png (pip install 'speckernel[bench]')",
+              file=sys.stderr)
+        return
     import numpy as np
 
     matplotlib.use("Agg")

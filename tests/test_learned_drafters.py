@@ -6,6 +6,7 @@ capabilities declared for `speckernel plugins`."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -62,7 +63,9 @@ def test_a_trained_drafter_predicts_its_target_and_changes_no_token(method, data
     out = tmp_path / method
     summary = train(build_parser().parse_args(train_args(method, data, out, 120)))
     assert summary["steps"] == 120
-    assert (out / "model.safetensors").is_file() and (out / "loss.png").is_file()
+    assert (out / "model.safetensors").is_file() and (out / "train_log.json").is_file()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "loss.png").is_file()
     core = core_for(method, num_speculative_tokens=K[method], draft_model=str(out))
     assert run_to_completion(core, prompts, GREEDY) == plain
     spec = core.stats()["spec"]
