@@ -67,12 +67,11 @@ class Sequences:
 
 
 def generate(config: Any, conversations: list[list[dict[str, str]]], max_tokens: int,
-             concurrency: int = 256) -> Sequences:
-    """The target's greedy answer to every conversation, through the engine (any platform)."""
+             concurrency: int = 256, temperature: float = 0.0, seed: int = 0) -> Sequences:
+    """The target's answer to every conversation, through the engine (any platform): greedy, or
+    sampled at `temperature` (more varied text; the labels stay the target's greedy tokens)."""
     from .async_engine import AsyncEngine
     from .sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
     async def run() -> list[tuple[list[int], list[int]]]:
         pairs: list[tuple[list[int], list[int]]] = [([], []) for _ in conversations]
@@ -82,6 +81,8 @@ def generate(config: Any, conversations: list[list[dict[str, str]]], max_tokens:
                        disable=None)
 
             async def one(i: int) -> None:
+                params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                        seed=seed + i if temperature else None)
                 async with limit:
                     prompt = engine.encode_chat(conversations[i])
                     prompt = prompt[: max(1, engine.info.max_model_len - max_tokens - 1)]

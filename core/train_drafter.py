@@ -44,6 +44,8 @@ def add_arguments(sub: Any) -> None:
                    help="JSON Lines of {\"messages\": [...]} (default: the built-in corpus)")
     p.add_argument("--num-prompts", type=int, default=6000, help="prompts drawn from the built-in corpus")
     p.add_argument("--max-tokens", type=int, default=256, help="answer length when generating data")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample the answers (more varied data; labels stay the target's greedy tokens)")
     p.add_argument("--generate-only", action="store_true", help="write the data and stop")
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps in all (a resumed run continues)")
     p.add_argument("--minutes", type=float, default=0.0, help="stop after this long and save (0: no limit)")
@@ -98,7 +100,7 @@ def load_data(args: argparse.Namespace, out: Path) -> Sequences:
     config = EngineConfig(model=args.target, platform=args.platform, max_num_seqs=256, max_model_len=2048,
                           log_level="warning")
     started = time.monotonic()
-    data = generate(config, conversations, args.max_tokens)
+    data = generate(config, conversations, args.max_tokens, temperature=args.temperature, seed=args.seed)
     data.save(path)
     answered = int((np.diff(data.offsets) - data.prompt_lens).sum())
     print(f"train-drafter: {len(data)} answers, {answered} tokens in {time.monotonic() - started:.0f} s -> {path}",

@@ -122,3 +122,28 @@ def test_triton_attend_takes_a_rows_length_repeated_per_query() -> None:
     want = TorchPagedAttention(bs, 16, torch.device("cpu")).attend(q, kv, q_tables, q_lens, 0.25)
     got = TritonPagedAttention(bs, 16, torch.device("cpu")).attend(q, kv, q_tables, q_lens, 0.25)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_data_is_the_targets_answers_through_the_engine(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from speckernel.train_corpus import write_corpus
+
+    prompts = tmp_path / "prompts.jsonl"
+    write_corpus(prompts, [[{"role": "user", "content": "Name a colour."}],
+                           [{"role": "user", "content": "Write a haiku about rain."}]])
+
+    def make(name: str, *extra: str) -> Sequences:
+        args = ["train-drafter", "--method", "mtp", "--prompts", str(prompts), "--data", str(tmp_path / name),
+                "--out", str(tmp_path / "mtp"), "--generate-only", "--max-tokens", "6", "--platform", "cpu", *extra]
+        train(build_parser().parse_args(args))
+        return Sequences.load(tmp_path / name)
+
+    greedy = make("greedy.npz")
+    assert len(greedy) == 2
+    for i in range(2):
+        tokens, prompt_len = greedy.get(i)
+        assert 0 < len(tokens) - prompt_len <= 6 and prompt_len > 5  # the chat template wraps the prompt
+    sampled = make("sampled.npz", "--shard", "1/2", "--temperature", "0.8")
+    again = make("again.npz", "--shard", "1/2", "--temperature", "0.8")
+    assert len(sampled) == 1 and sampled.get(0)[1] == greedy.get(1)[1]  # the second prompt only
+    assert sampled.get(0)[0].tolist() == again.get(0)[0].tolist()  # seeded: the same answer
