@@ -13,10 +13,7 @@
 set -uo pipefail
 out=${1:-gpu-out}
 mkdir -p "$out"
-export SPECKERNEL_CACHE=${SPECKERNEL_CACHE:-$HOME/skcache} PYTHONUNBUFFERED=1
-mkdir -p "$SPECKERNEL_CACHE/models"
-[ -n "${MODEL:-}" ] && cp "$MODEL" "$SPECKERNEL_CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-[ -n "${HUMANEVAL:-}" ] && cp "$HUMANEVAL" "$SPECKERNEL_CACHE/models/HumanEval.jsonl.gz"
+source "$(dirname "$0")/gpu-cache.sh"
 dtypes=${DTYPES-float32 bfloat16}
 # Each part runs under its own time limit and is packed as soon as it ends, so a run cut short
 # still returns every part that finished (results.tar.gz, with at most 8 files under $out).
