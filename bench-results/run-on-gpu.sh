@@ -41,7 +41,7 @@ case " ${PARTS:-checks} " in *" checks "*) {
   timeout 120 python3 -m speckernel.cli generate --raw --prompt "The three primary colors are" --max-tokens 48 \
     --temperature 0 --json --platform cuda
   echo "== GPU-side tests (Triton kernels for real, graphs vs eager, no host sync, sampling, verification)"
-  timeout 300 python3 -m pytest -q tests/test_gpu_fast_path.py tests/test_step_graphs.py \
+  timeout 420 python3 -m pytest -q tests/test_gpu_fast_path.py tests/test_step_graphs.py \
     tests/test_platform_contract.py tests/test_triton_kernels.py tests/test_sampler.py tests/test_verify.py \
     -p no:cacheprovider 2>&1 | tail -40
 } > "$work/cuda_checks.txt" 2>&1

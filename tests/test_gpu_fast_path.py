@@ -110,3 +110,23 @@ def test_speculative_requests_run_ahead_without_host_sync(model_path: Path, toke
     assert checked > 20 and shifted > 10
     assert core.stats()["spec"]["num_host_draft_copies"] == 0
     assert out == run(EngineCore(config(True, **spec)), ids, params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,k", [("mtp", 3), ("eagle3", 5), ("dflash", 7), ("dspark", 7), ("causal_cascade", 7)])
+def test_learned_drafters_accept_as_much_alone_as_in_a_batch(name: str, k: int, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """A drafter's passes see one row at batch 1 and many in a batch; they must draft the same.
+    (Batch 1 once read a row's context length past a stride-0 view: block drafters accepted
+    next to nothing there, and only there.)"""
+    from tests.conftest import PROMPTS, run_to_completion
+
+    ids = prompts(tokenizer, PROMPTS[:8])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    batched = EngineCore(config(False, speculator=name, num_speculative_tokens=k))
+    together = run_to_completion(batched, ids, params)
+    alone_core = EngineCore(config(False, speculator=name, num_speculative_tokens=k))
+    alone = [run_to_completion(alone_core, [p], params)[0] for p in ids]
+    assert alone == together
+    a, b = alone_core.stats()["spec"], batched.stats()["spec"]
+    assert a["num_accepted_tokens"] > 0
+    assert abs(a["mean_acceptance_length"] - b["mean_acceptance_length"]) < 0.1 * b["mean_acceptance_length"], (a, b)
