@@ -57,12 +57,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     base = base_config(args)
     runs: dict[str, Any] = {}
     for name in [None, *(args.speculator or ["ngram", "draft_model"])]:
-        label = "none" if name is None else f"{name.split(':')[0]}{args.label or ''}"
+        config = with_speculator(base, args, name)
+        label = "none" if name is None else f"{config.speculator}{args.label or ''}"
         if name is not None and ":" in name:
-            label = f"{label} K={name.split(':')[1]}"
+            label = f"{label} K={config.num_speculative_tokens}"
         print(f"bench accept: {label} on {len(conversations)} prompts", file=sys.stderr)
-        runs[label] = await run_one(with_speculator(base, args, name), conversations, params, label,
-                                    args.concurrency)
+        runs[label] = await run_one(config, conversations, params, label, args.concurrency)
     reference = runs["none"]["outputs"]
     for r in runs.values():
         r["identical_to_no_speculation"] = sum(a == b for a, b in zip(r["outputs"], reference, strict=True))

@@ -42,8 +42,10 @@ from .learned import (
     TargetShape,
     causal_mask,
     checkpoint,
+    draft_probability,
     masked_attention,
     rope,
+    trim,
 )
 
 INTERMEDIATE_SIZE = 768
@@ -194,9 +196,8 @@ def pick_drafts(logits: torch.Tensor, ok: torch.Tensor, min_prob: float) -> torc
     drafts = logits.argmax(-1)
     keep = ok[:, None].expand_as(drafts)
     if min_prob > 0:
-        prob = (logits.amax(-1) - logits.logsumexp(-1)).exp()
-        keep = keep & ((prob >= min_prob).to(torch.int64).cumprod(dim=1) > 0)
-    return torch.where(keep, drafts, -1)
+        keep = keep & (draft_probability(logits) >= min_prob)
+    return trim(drafts, keep)
 
 
 class CausalCascadeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -38,7 +38,7 @@ from speckernel.plugin import (
     TrainBatch,
 )
 
-from .learned import Attend, DrafterConfig, LearnedSpeculator, Rope, masked_attention
+from .learned import Attend, DrafterConfig, LearnedSpeculator, Rope, cache_slots, masked_attention
 
 STEP_DECAY = 0.8
 """Loss weight of chain run j is STEP_DECAY ** (j - 1): later drafts matter only if earlier ones hold."""
@@ -186,8 +186,7 @@ class ChainSpeculator(LearnedSpeculator):
         bs = self.block_size
         drafts = []
         for _ in range(k):
-            block = torch.gather(tables, 1, (pos // bs)[:, None])[:, 0]
-            slots = torch.where(states.samples_device, block * bs + pos % bs, -1)
+            slots = torch.where(states.samples_device, cache_slots(tables, pos, bs), -1)
             lens = pos + 1
 
             def attend(q: torch.Tensor, key: torch.Tensor, v: torch.Tensor,

@@ -47,9 +47,12 @@ from speckernel.speculators.learned import (
     LearnedSpeculator,
     Rope,
     TargetShape,
+    cache_slots,
     checkpoint,
+    draft_probability,
     masked_attention,
     rope,
+    trim,
 )
 
 NUM_ANCHORS = 64
@@ -57,11 +60,6 @@ NUM_ANCHORS = 64
 DECAY = 4.0
 """Loss weight of block position j is exp(-(j - 1) / DECAY): early drafts matter most, since a
 draft counts only when every one before it was accepted."""
-
-
-def trim(drafts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """drafts [R, K] with -1 from each row's first position whose keep is False on."""
-    return torch.where(keep.to(torch.int64).cumprod(dim=1).bool(), drafts, -1)
 
 
 @dataclass
@@ -128,8 +126,7 @@ class DFlashDrafter(nn.Module):
         the drafter's probability of each draft)."""
         r, k, h = hidden.shape
         logits = target.head(hidden.reshape(r * k, h)).view(r, k, -1)
-        top = logits.max(dim=-1)
-        return top.indices, torch.exp(top.values - logits.logsumexp(dim=-1))
+        return logits.argmax(dim=-1), draft_probability(logits)
 
     # --- training -----------------------------------------------------------------------------
 
@@ -279,9 +276,7 @@ class DFlashSpeculator(LearnedSpeculator):
         pos = a0[:, None] + torch.arange(n, device=a0.device)  # [R, n]
         tables = meta.block_tables
         bs = self.block_size
-        blocks = (pos // bs).clamp(max=tables.shape[1] - 1)
-        slots = tables.gather(1, blocks) * bs + pos % bs
-        slots = torch.where(states.samples_device[:, None], slots, -1).reshape(-1)
+        slots = torch.where(states.samples_device[:, None], cache_slots(tables, pos, bs), -1).reshape(-1)
         # One query per block position, each with its row's table; it sees the context < a0
         # and the whole block (expand, not repeat_interleave: no output size to compute).
         query_tables = tables[:, None].expand(rows, n, tables.shape[1]).reshape(rows * n, -1)

@@ -231,6 +231,23 @@ def causal_mask(n: int, device: torch.device) -> torch.Tensor:
 # --- the speculator side ---------------------------------------------------------------------
 
 
+def cache_slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat cache slots of positions [R, N] (or [R]) of the rows with block tables [R, MB], on the device."""
+    flat = positions.reshape(positions.shape[0], -1)
+    blocks = (flat // block_size).clamp(max=tables.shape[1] - 1)
+    return (tables.gather(1, blocks) * block_size + flat % block_size).view(positions.shape)
+
+
+def draft_probability(logits: torch.Tensor) -> torch.Tensor:
+    """The drafter's probability of its greedy draft, from logits [..., V]."""
+    return (logits.amax(-1) - logits.logsumexp(-1)).exp()
+
+
+def trim(drafts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """drafts [R, K] with -1 from each row's first position whose keep is False on."""
+    return torch.where(keep.to(torch.int64).cumprod(dim=1).bool(), drafts, -1)
+
+
 class LearnedDrafter(Protocol):
     """The module a learned speculator runs and `speckernel train-drafter` trains."""
 
