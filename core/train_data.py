@@ -167,5 +167,6 @@ def batches(data: Sequences, batch_size: int, length: int, rng: np.random.Genera
 
 def label_counts(data: Sequences, vocab_size: int) -> torch.Tensor:
     """How often each token appears in the target's answers (what a draft vocabulary keeps)."""
-    answers = np.concatenate([data.get(i)[0][data.get(i)[1]:] for i in range(len(data))] or [np.zeros(0, np.int32)])
+    answers = np.concatenate([seq[prompt_len:] for seq, prompt_len in map(data.get, range(len(data)))]
+                             or [np.zeros(0, np.int32)])
     return torch.from_numpy(np.bincount(answers, minlength=vocab_size)[:vocab_size].astype(np.int64))
