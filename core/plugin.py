@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 import msgspec
 import torch
 
+from . import fused_ops
 from .attention import AttentionBackend, AttentionMetadata
 from .errors import InvalidInputError
 from .frame import RowSampling
@@ -52,6 +53,7 @@ __all__ = [
     "apply_rope",
     "cos_sin_table",
     "draw_seed",
+    "fused_ops",
     "load_model",
     "new_kv_cache",
     "read_config",
@@ -119,6 +121,9 @@ class SpeculatorContext:
     from the same budget as the target's KV cache and indexed by the target's block tables."""
     num_slots: int = 0
     """Rows of the token buffer (`TargetStates.tokens`): per-slot state is indexed by slot."""
+    fused_kernels: bool = False
+    """The platform runs the kernel's fused Triton ops (`fused_ops`) on this device: a speculator's
+    layers may call them instead of their torch definitions."""
 
 
 @dataclass(frozen=True)

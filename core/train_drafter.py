@@ -57,6 +57,9 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--platform", default=None, help="platform for generating data (default: best available)")
     p.add_argument("--device", default=None, help="torch device for training (default: cuda if present)")
+    p.add_argument("--init", type=Path, default=None, metavar="DIR",
+                   help="start from this checkpoint's weights (e.g. a shipped drafter) instead of random ones; "
+                        "its architecture replaces the defaults")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a field of the drafter's default architecture (e.g. num_layers=1)")
 
@@ -141,11 +144,19 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     target_cfg = read_config(path)
     cls = plugins.load("speculator", args.method)
     max_len = args.seq_len + 32
-    drafter = cls.new_drafter(target_cfg, max_len, **parse_overrides(args.set)).to(device)
+    overrides = parse_overrides(args.set)
+    if args.init is not None:
+        init = msgspec.structs.asdict(cls.read_checkpoint(args.init, target_cfg))
+        overrides = {**{k: v for k, v in init.items() if k not in ("method", "target")}, **overrides}
+    drafter = cls.new_drafter(target_cfg, max_len, **overrides).to(device)
     cfg = drafter.config
     target = load_model(path, dtype, device, max_len)
     features = TargetFeatures(target, cfg.target_layers, cfg.kv_layers)
-    if hasattr(drafter, "fit_vocab"):
+    if args.init is not None:
+        from safetensors.torch import load_file
+
+        drafter.load_state_dict(load_file(str(args.init / "model.safetensors"), device=str(device)))
+    elif hasattr(drafter, "fit_vocab"):
         drafter.fit_vocab(label_counts(data, target_cfg.vocab_size))
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)

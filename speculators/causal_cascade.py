@@ -26,7 +26,6 @@ from speckernel.plugin import (
     Drafts,
     InvalidInputError,
     ModelConfig,
-    RMSNorm,
     SpeculatorCapabilities,
     SpeculatorContext,
     TargetStates,
@@ -37,6 +36,7 @@ from .learned import (
     MLP,
     DrafterConfig,
     LearnedSpeculator,
+    Norm,
     Rope,
     SelfAttention,
     TargetShape,
@@ -82,11 +82,11 @@ class CrossAttention(nn.Module):
 class CascadeLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg, cfg.hidden_size)
-        self.cross_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.cross_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.cross_attn = CrossAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, rot: tuple[torch.Tensor, ...], mask: torch.Tensor,
@@ -111,7 +111,7 @@ class CascadeModule(nn.Module):
         self.max_len = max_len
         """Positions the rope tables cover: a block must end before it."""
         self.layers = nn.ModuleList(CascadeLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.randn(cfg.hidden_size) * 0.02)
         self.rope = Rope(target, cfg.head_dim, max_len)
         self.cross_rope = self.rope if cfg.head_dim == target.head_dim else Rope(target, target.head_dim, max_len)

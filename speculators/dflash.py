@@ -33,7 +33,6 @@ from speckernel.plugin import (
     Drafts,
     InvalidInputError,
     ModelConfig,
-    RMSNorm,
     SpeculatorCapabilities,
     SpeculatorContext,
     TargetModel,
@@ -45,6 +44,7 @@ from speckernel.speculators.learned import (
     DecoderBlock,
     DrafterConfig,
     LearnedSpeculator,
+    Norm,
     Rope,
     TargetShape,
     cache_slots,
@@ -92,9 +92,9 @@ class DFlashDrafter(nn.Module):
         self.config = cfg
         h = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.target_layers) * target.hidden_size, h, bias=False)
-        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = Norm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm = Norm(h, cfg.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.randn(h) * 0.02)
         self.rope = Rope(target, cfg.head_dim, max_len)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from speckernel.plugin import ModelConfig, RMSNorm, TargetModel
+from speckernel.plugin import ModelConfig, TargetModel
 
 from .chain import ChainModule, ChainSpeculator
-from .learned import Attend, DecoderBlock, DrafterConfig, TargetShape
+from .learned import Attend, DecoderBlock, DrafterConfig, Norm, TargetShape
 
 DRAFT_VOCAB = 4096
 
@@ -22,7 +22,7 @@ DRAFT_VOCAB = 4096
 class MidLayer(DecoderBlock):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__(cfg, in_dim=2 * cfg.hidden_size)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Eagle3Module(ChainModule):
@@ -32,7 +32,7 @@ class Eagle3Module(ChainModule):
         vocab = cfg.draft_vocab_size or cfg.target.vocab_size
         self.fc = nn.Linear(len(cfg.target_layers) * h, h, bias=False)
         self.midlayer = MidLayer(cfg)
-        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm = Norm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.target.vocab_size, dtype=torch.bool))

@@ -33,6 +33,7 @@ from speckernel.plugin import (
     TrainBatch,
     apply_rope,
     cos_sin_table,
+    fused_ops,
 )
 
 WEIGHTS = Path(__file__).parent / "weights"
@@ -157,8 +158,39 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return out.to(x.dtype).reshape(shape)
 
 
+def fused(module: nn.Module) -> bool:
+    """Whether a layer runs the kernel's fused kernels now: switched on for serving on a platform
+    that has them (`use_fused_kernels`), and never under autograd (they have no backward)."""
+    return module.fused and not torch.is_grad_enabled()
+
+
+def use_fused_kernels(module: nn.Module, enabled: bool = True) -> nn.Module:
+    """Switches every `Norm`, `SelfAttention`, `MLP` and `DecoderBlock` of a loaded drafter to
+    the fused kernels of `speckernel.plugin.fused_ops`: at batch 1 a drafter's pass is bound by
+    kernel launches, and these make a layer about half as many."""
+    for m in module.modules():
+        if hasattr(m, "fused"):
+            m.fused = enabled
+            if enabled and hasattr(m, "fuse_weights"):
+                m.fuse_weights()
+    return module
+
+
+class Norm(RMSNorm):
+    """The target's RMSNorm, one fused kernel when serving on a platform that has it."""
+
+    fused = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not fused(self):
+            return super().forward(x)
+        return fused_ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+
+
 class SelfAttention(nn.Module):
     """Llama attention over an input of `in_dim` (eagle3 feeds 2H); HF tensor names."""
+
+    fused = False
 
     def __init__(self, cfg: DrafterConfig, in_dim: int) -> None:
         super().__init__()
@@ -168,10 +200,22 @@ class SelfAttention(nn.Module):
         self.v_proj = nn.Linear(in_dim, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         self.scale = self.hd**-0.5
+        self.qkv_weight: torch.Tensor | None = None
+
+    def fuse_weights(self) -> None:
+        self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lead = x.shape[:-1]
+        if fused(self) and self.qkv_weight is not None:
+            nq, nk = self.nh * self.hd, self.nkv * self.hd
+            qkv = F.linear(x.reshape(-1, x.shape[-1]), self.qkv_weight)
+            q, k = fused_ops.rope(qkv[:, :nq].view(-1, self.nh, self.hd),
+                                  qkv[:, nq:nq + nk].view(-1, self.nkv, self.hd),
+                                  cos.reshape(-1, self.hd), sin.reshape(-1, self.hd))
+            v = qkv[:, nq + nk:].view(*lead, self.nkv, self.hd)
+            return q.view(*lead, self.nh, self.hd), k.view(*lead, self.nkv, self.hd), v
         q = self.q_proj(x).view(*lead, self.nh, self.hd)
         k = self.k_proj(x).view(*lead, self.nkv, self.hd)
         v = self.v_proj(x).view(*lead, self.nkv, self.hd)
@@ -184,13 +228,22 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    fused = False
+
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None
+
+    def fuse_weights(self) -> None:
+        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused(self) and self.gate_up_weight is not None:
+            gate_up = F.linear(x.reshape(-1, x.shape[-1]), self.gate_up_weight)
+            return self.down_proj(fused_ops.silu_mul(gate_up)).view(x.shape)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -198,11 +251,13 @@ class DecoderBlock(nn.Module):
     """One Llama decoder block; `in_dim` > hidden_size when the attention takes a wider input
     (the residual is then the caller's `residual`)."""
 
+    fused = False
+
     def __init__(self, cfg: DrafterConfig, in_dim: int | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg, in_dim or cfg.hidden_size)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
@@ -210,7 +265,13 @@ class DecoderBlock(nn.Module):
         """x: the residual stream [..., H]; attn_input: the (already normalised) attention input
         when it is not input_layernorm(x)."""
         a = self.input_layernorm(x) if attn_input is None else attn_input
-        x = x + self.self_attn(a, cos, sin, attend)
+        attended = self.self_attn(a, cos, sin, attend)
+        if fused(self):  # the residual add inside the norm's kernel
+            post = self.post_attention_layernorm
+            h = x.shape[-1]
+            normed, x = fused_ops.rms_norm(attended.reshape(-1, h), post.weight, post.eps, x.reshape(-1, h))
+            return (x + self.mlp(normed)).view(attended.shape)
+        x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -278,6 +339,18 @@ class LearnedSpeculator(SpeculatorBase):
         return cls.Module(cfg, target, max_len)
 
     @classmethod
+    def read_checkpoint(cls, folder: Path, target: ModelConfig) -> DrafterConfig:
+        """A checkpoint's architecture, refused when it is another method's or another target's
+        (what `train-drafter --init` starts from)."""
+        cfg = read_config(folder)
+        if cfg.method != cls.name:  # type: ignore[attr-defined]
+            raise InvalidInputError(f"{folder} holds a {cfg.method} drafter, not {cls.name}")  # type: ignore[attr-defined]
+        if cfg.target != TargetShape.of(target):
+            raise InvalidInputError(f"{folder}: trained for a target with {msgspec.to_builtins(cfg.target)}, "
+                                    f"not {msgspec.to_builtins(TargetShape.of(target))}")
+        return cfg
+
+    @classmethod
     def save(cls, folder: Path, module: Any) -> None:
         """Writes a checkpoint that `--draft-model folder` loads."""
         save(folder, module.config, module)
@@ -319,3 +392,5 @@ class LearnedSpeculator(SpeculatorBase):
             assert ctx.draft_kv is not None, "the kernel allocates the draft KV"
             slots = ctx.num_kv_blocks * ctx.block_size
             self.kv = ctx.draft_kv.view(ctx.dtype).view(layers, 2, slots, cfg.num_kv_heads, cfg.head_dim)
+        if ctx.fused_kernels:
+            use_fused_kernels(self.module)

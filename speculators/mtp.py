@@ -12,24 +12,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from speckernel.plugin import ModelConfig, RMSNorm, TargetModel
+from speckernel.plugin import ModelConfig, TargetModel
 
 from .chain import ChainModule, ChainSpeculator
-from .learned import Attend, DecoderBlock, DrafterConfig, TargetShape
+from .learned import Attend, DecoderBlock, DrafterConfig, Norm, TargetShape
 
 
 class SharedHead(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class MtpModule(ChainModule):
     def __init__(self, cfg: DrafterConfig, target: ModelConfig, max_len: int) -> None:
         super().__init__(cfg, target, max_len)
         h = cfg.hidden_size
-        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.enorm = Norm(h, cfg.rms_norm_eps)
+        self.hnorm = Norm(h, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         block = DecoderBlock(cfg)
         self.input_layernorm, self.self_attn = block.input_layernorm, block.self_attn

@@ -19,6 +19,7 @@ from speckernel.config import EngineConfig
 from speckernel.engine_core import EngineCore
 from speckernel.errors import InvalidInputError
 from speckernel.sampling_params import SamplingParams
+from speckernel.speculators.learned import use_fused_kernels
 from speckernel.train_data import Sequences
 from speckernel.train_drafter import LEARNED, train
 
@@ -72,6 +73,12 @@ def test_a_trained_drafter_predicts_its_target_and_changes_no_token(method, data
     # An untrained drafter accepts next to nothing here; one that learned the target's answers
     # (and is served the way it was trained) accepts most of its drafts.
     assert spec["mean_acceptance_length"] > 2.0, spec
+    # The fused kernels a GPU platform switches on (run here by Triton's interpreter) draft the
+    # same tokens as the torch layers they replace.
+    fused = core_for(method, num_speculative_tokens=K[method], draft_model=str(out))
+    use_fused_kernels(fused.speculator.module)
+    assert run_to_completion(fused, prompts, GREEDY) == plain
+    assert fused.stats()["spec"]["acceptance_per_position"] == spec["acceptance_per_position"]
 
 
 def test_training_resumes_where_it_stopped(data, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -82,6 +89,19 @@ def test_training_resumes_where_it_stopped(data, tmp_path) -> None:  # type: ign
     assert summary["steps"] == 30
     log = json.loads((out / "train_log.json").read_text())["log"]
     assert [e["step"] for e in log] == list(range(1, 31)) and log[:20] == first
+
+
+def test_training_can_start_from_a_checkpoint(data, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import load_file
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    train(build_parser().parse_args(train_args("eagle3", data, first, 20)))
+    # lr 0: the weights it starts from are the ones it writes (draft vocabulary included).
+    train(build_parser().parse_args([*train_args("eagle3", data, second, 1), "--init", str(first), "--lr", "0"]))
+    want, got = (load_file(str(d / "model.safetensors")) for d in (first, second))
+    assert want.keys() == got.keys() and all((want[k] == got[k]).all() for k in want)
+    with pytest.raises(InvalidInputError, match="holds a eagle3 drafter"):
+        train(build_parser().parse_args([*train_args("mtp", data, tmp_path / "mtp", 1), "--init", str(first)]))
 
 
 def test_a_checkpoint_for_another_target_is_refused(data, tmp_path) -> None:  # type: ignore[no-untyped-def]
