@@ -1,8 +1,11 @@
 """speckernel: a speculative-decoding inference engine built as a small async microkernel."""
 
-from .async_engine import AsyncEngine
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .config import EngineConfig
-from .engine import Engine
 from .errors import (
     EngineDeadError,
     InvalidInputError,
@@ -14,8 +17,24 @@ from .errors import (
     UnknownModelError,
     UnknownPluginError,
 )
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .async_engine import AsyncEngine
+    from .engine import Engine
+    from .outputs import RequestOutput
+    from .sampling_params import SamplingParams
+
+_LAZY = {"AsyncEngine": ".async_engine", "Engine": ".engine", "RequestOutput": ".outputs",
+         "SamplingParams": ".sampling_params"}
+"""Imported on first use: the engine-core process and `speckernel --version` need none of them."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "AsyncEngine",

@@ -45,7 +45,7 @@ from .messages import (
 )
 from .models.builtin import resolve
 from .outputs import RequestOutput, Timing
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, prompt_token_ids, sampling_params
 from .tokenizer import Tokenizer
 
 
@@ -182,8 +182,10 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Streams one RequestOutput per delta; a str prompt is tokenized as-is (no template)."""
         client = self._live_client()
-        params = (params or SamplingParams()).validate(self.info.vocab_size)
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        # Everything the core could not take fails here, typed, before anything is sent.
+        params = sampling_params(params, self.info.vocab_size)
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) \
+            else prompt_token_ids(prompt, self.info.vocab_size)
         if not prompt_ids:
             raise errors.InvalidInputError("prompt is empty")
         if len(prompt_ids) >= self.info.max_model_len:
@@ -240,34 +242,55 @@ class AsyncEngine:
             del self._live_ids[pending.request_id]
         return pending
 
+    def _send(self, msg: AbortRequests | UtilityCall) -> None:
+        """Sends to the core; a core found gone fails every pending request and call at once."""
+        try:
+            self._live_client().send(msg)
+        except errors.EngineDeadError as e:
+            self._fail_all(e)
+            raise
+
     def _abort_key(self, key: int) -> _Pending | None:
         """Forgets a live request and tells the core to stop it (if the core is still there)."""
         pending = self._forget(key)
         if pending is not None and self._dead is None and self._client is not None:
-            self._client.send(AbortRequests([key]))
+            try:
+                self._send(AbortRequests([key]))
+            except errors.EngineDeadError:  # nothing left to stop; the caller's own error stands
+                pass
         return pending
 
     async def abort(self, request_id: str) -> None:
         """Stops a live request: its stream ends with a final output, finish_reason "abort".
 
-        Ids of requests that are not live (unknown, finished, or already aborted) are ignored.
+        Ids of requests that are not live (unknown, finished, or already aborted) are ignored;
+        EngineDeadError when the core is gone (the stream then ends with that error).
         """
         self._live_client()
         key = self._live_ids.get(request_id)
         if key is None:
             return
-        pending = self._abort_key(key)
+        pending = self._forget(key)
         assert pending is not None
+        try:
+            self._send(AbortRequests([key]))
+        except errors.EngineDeadError as e:
+            pending.send.send_nowait(e)
+            raise
         # Deltas the core sent before it saw the abort are already queued ahead of this one.
         pending.send.send_nowait(RequestDelta(key, [], "abort"))
 
     async def stats(self) -> dict[str, Any]:
         """Engine-wide counters from the core (steps, tokens, KV blocks, speculative counters)."""
-        client = self._live_client()
+        self._live_client()
         call_id = next(self._call_ids)
         event, box = anyio.Event(), []
         self._calls[call_id] = (event, box)
-        client.send(UtilityCall(call_id, "stats"))
+        try:
+            self._send(UtilityCall(call_id, "stats"))
+        except errors.EngineDeadError:
+            self._calls.pop(call_id, None)
+            raise
         await event.wait()
         if not box:
             raise errors.EngineDeadError(str(self._dead))

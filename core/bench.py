@@ -137,6 +137,16 @@ def pyplot() -> Any:
     return plt
 
 
+def concurrency_axis(ax: Any, concurrencies: list[int], xlabel: str, ylabel: str) -> None:
+    """A log2 x axis ticked at the concurrencies measured, with a legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+    ax.minorticks_off()
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize="small")
+
+
 def write_report(name: str, report: dict[str, Any], lines: list[str], plot: Any, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")

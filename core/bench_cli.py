@@ -12,6 +12,7 @@ SCENARIOS = {
     "hostsync": "a fixed-width speculator with and without copying draft IDs to the host",
     "prefill": "prefill-only requests with and without K=0 steps",
     "scale": "one decode step of a Llama-3-8B-shaped model against the weight-read floor",
+    "startup": "time to the first token of a fresh process, by phase (import, load, first token)",
 }
 
 
@@ -29,12 +30,13 @@ def mode_list(text: str) -> list[str]:
 def engine_flags(p: argparse.ArgumentParser, *, model: str | None = "smollm2-135m", max_num_seqs: int = 64,
                  max_model_len: int | None = 2048, dtype: str | None = None, process: bool = True) -> None:
     p.add_argument("--model", default=model,
-                   help=f"built-in name, GGUF file, safetensors folder or random:PRESET (default: {model})")
-    p.add_argument("--platform", default=None)
-    p.add_argument("--dtype", default=dtype, help="float32 makes speculative and plain greedy runs bit-comparable")
+                   help="built-in name, GGUF file, safetensors folder or random:PRESET")
+    p.add_argument("--platform", default=None, help="cpu, cuda, ascend (default: the best available)")
+    p.add_argument("--dtype", default=dtype, help="float32 makes speculative and plain greedy runs "
+                   "bit-comparable; None: the platform's")
     p.add_argument("--enforce-eager", action="store_true", help="never replay captured device graphs")
-    p.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
-    p.add_argument("--max-model-len", type=int, default=max_model_len)
+    p.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="requests decoded at once")
+    p.add_argument("--max-model-len", type=int, default=max_model_len, help="context length; None: the model's")
     if process:
         p.add_argument("--process", action="store_true",
                        help="run the engine core in its own process (default: in-process)")
@@ -42,9 +44,10 @@ def engine_flags(p: argparse.ArgumentParser, *, model: str | None = "smollm2-135
 
 def speculator_flags(p: argparse.ArgumentParser, default_help: str) -> None:
     p.add_argument("--speculator", action="append", default=None, help=f"speculator to measure ({default_help})")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--draft-model", default=None)
-    p.add_argument("--speculator-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="drafts per step")
+    p.add_argument("--draft-model", default=None, help="checkpoint for the speculator (default: its own default)")
+    p.add_argument("--speculator-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="speculator-specific option (repeatable)")
     p.add_argument("--adaptive-speculation", action="store_true",
                    help="let measured step times turn drafting off where it does not pay")
 
@@ -63,8 +66,8 @@ def int_list(text: str) -> list[int]:
 def accept_arguments(p: argparse.ArgumentParser) -> None:
     speculator_flags(p, "repeatable; default: ngram and draft_model")
     p.add_argument("--label", default=None, help="name of the speculative runs in the table")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer at most")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts only (default: all)")
     p.add_argument("--concurrency", type=int, default=0,
                    help="requests in flight at once (0: all; 1 gives tokens/s at batch 1)")
     engine_flags(p)
@@ -72,7 +75,7 @@ def accept_arguments(p: argparse.ArgumentParser) -> None:
 
 def decode_arguments(p: argparse.ArgumentParser) -> None:
     speculator_flags(p, "repeatable; default: ngram")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer")
     p.add_argument("--num-prompts", type=int, default=10,
                    help="prompts at batch 1; concurrency C runs max(C, this) prompts")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64],
@@ -86,11 +89,11 @@ def decode_arguments(p: argparse.ArgumentParser) -> None:
 
 def hostsync_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculator", default="draft_model", help="a fixed-width speculator (default: draft_model)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--draft-model", default=None)
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="drafts per step")
+    p.add_argument("--draft-model", default=None, help="checkpoint for the speculator (default: the target)")
     p.add_argument("--speculator-option", action="append", default=None, metavar="KEY=VALUE",
                    help="repeatable (default for draft_model: num_layers=4, a cheap self-drafter)")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per answer")
     p.add_argument("--num-prompts", type=int, default=10,
                    help="prompts at batch 1; concurrency C runs max(C, this) prompts")
     p.add_argument("--concurrency", type=int_list, default=[1, 16], help="comma-separated (default: 1,16)")
@@ -100,7 +103,7 @@ def hostsync_arguments(p: argparse.ArgumentParser) -> None:
 def prefill_arguments(p: argparse.ArgumentParser) -> None:
     speculator_flags(p, "repeatable; default: ngram")
     p.add_argument("--prompt-tokens", type=int, default=1200, help="tokens per prompt")
-    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=16, help="prompts per run")
     p.add_argument("--concurrency", type=int_list, default=[1, 16], help="comma-separated (default: 1,16)")
     engine_flags(p)
 
@@ -110,17 +113,44 @@ def scale_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", action="append", default=None,
                    help="further models timed the same way (repeatable; default: smollm2-135m after the "
                         "default model, none after a --model)")
-    p.add_argument("--layers", type=int, default=None, help="override the layer count of random:... models")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--warmup-steps", type=int, default=8)
-    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--layers", type=int, default=None,
+                   help="override the layer count of random:... models (default: the preset's)")
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens of context per decode step")
+    p.add_argument("--warmup-steps", type=int, default=8, help="untimed steps first")
+    p.add_argument("--steps", type=int, default=64, help="timed decode steps")
     p.add_argument("--copy-mib", type=int, default=None, help="size of the timed copy (default: 4096 MiB on "
                    "an accelerator, 256 on the CPU)")
-    p.add_argument("--copy-repeats", type=int, default=10)
+    p.add_argument("--copy-repeats", type=int, default=10, help="timed copies")
+
+
+def startup_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="built-in name, GGUF file or safetensors folder")
+    p.add_argument("--platform", default=None, help="cpu, cuda, ascend (default: the best available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the platform's)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--repeats", type=int, default=5, help="fresh processes timed per mode (after one untimed)")
+    p.add_argument("--modes", type=mode_list, default=None,
+                   help="engine-core placements, e.g. process,inprocess (default: process, as the CLI)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds one fresh process may take")
 
 
 ARGUMENTS = {"accept": accept_arguments, "decode": decode_arguments, "hostsync": hostsync_arguments,
-             "prefill": prefill_arguments, "scale": scale_arguments}
+             "prefill": prefill_arguments, "scale": scale_arguments, "startup": startup_arguments}
+
+
+def serve_arguments(p: argparse.ArgumentParser) -> None:
+    speculator_flags(p, "repeatable; default: ngram; runs next to none")
+    p.add_argument("--url", default=None, help="measure this running server (default: start one per speculator)")
+    p.add_argument("--label", default=None, help="name of the --url run in the table (default: server)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per answer")
+    p.add_argument("--num-prompts", type=int, default=16, help="concurrency C runs max(C, this) prompts")
+    p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64], help="comma-separated (default: 1,4,16,64)")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one HTTP request may take")
+    engine_flags(p, process=False)
+
+
+SCENARIOS["serve"] = "HTTP load against `speckernel serve`, per speculator, next to none"
+ARGUMENTS["serve"] = serve_arguments
 
 
 def add_arguments(sub: Any) -> None:

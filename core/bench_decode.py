@@ -23,6 +23,7 @@ from .bench import (
     MISSING,
     base_config,
     cell,
+    concurrency_axis,
     device_name,
     header,
     preamble,
@@ -162,11 +163,6 @@ def plot(report: dict[str, Any], plt: Any) -> Any:
         tpot.scatter([1], [p["tpot_p50_ms"] or 0.0], marker="x", label=name)
     concurrencies = sorted({r["concurrency"] for r in report["runs"]})
     for ax, ylabel in ((tps, "tokens/s"), (tpot, "time per output token p50 (ms)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
-        ax.minorticks_off()
-        ax.set_xlabel("concurrency (1: batch 1)")
-        ax.set_ylabel(ylabel)
-        ax.legend(fontsize="small")
+        concurrency_axis(ax, concurrencies, "concurrency (1: batch 1)", ylabel)
     tps.set_title(f"Decode, {report['platform']} {report['dtype']}, max_tokens {report['max_tokens']}")
     return fig

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+
+from .errors import InvalidInputError
+from .sampling_params import MAX_INT32, MAX_INT64, Seed, strict_fields
+
+Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)]
+LogLevel = Annotated[str, msgspec.Meta(pattern="^(?i:debug|info|warning|error|critical)$")]
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -12,25 +20,27 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """None picks the highest-priority available platform."""
     dtype: str | None = None
     """None takes the platform's default (float32 on CPU, bfloat16 on CUDA)."""
-    max_model_len: int | None = None
+    max_model_len: Annotated[int, msgspec.Meta(ge=2, le=MAX_INT32)] | None = None
     """None takes the model's context length, capped at 4096."""
-    block_size: int = 16
-    kv_cache_bytes: int | None = None
-    """Memory budget for the paged KV cache; None sizes it from the platform's free memory."""
-    num_kv_blocks: int | None = None
+    block_size: Positive = 16
+    kv_cache_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT64)] | None = None
+    """Memory budget for the paged KV cache; None sizes it from the platform's free memory. A
+    budget (or num_kv_blocks) too small for one request of max_model_len fails at start."""
+    num_kv_blocks: Positive | None = None
     """Overrides kv_cache_bytes with an exact block count (tests use it to force preemption)."""
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    seed: int | None = None
+    max_num_seqs: Positive = 64
+    max_num_batched_tokens: Positive = 2048
+    seed: Seed | None = None
     """Seeds drawn for requests that bring none. None: fresh randomness on every start (two
     runs give different text); an int makes unseeded requests repeat across runs."""
     in_process: bool = False
     """Run the engine core inside the caller's event loop instead of its own process."""
-    startup_timeout_s: float = 300.0
-    log_level: str = "warning"
+    startup_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 300.0
+    log_level: LogLevel = "warning"
+    """Level the engine-core process logs at, on its stderr (the CLI passes --log-level)."""
     speculator: str | None = None
     """A name from the `speckernel.speculators` entry points; None decodes without drafts."""
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)] = 4
     draft_model: str | None = None
     """Checkpoint for speculators that run their own model (draft_model: the target if None)."""
     speculator_options: dict[str, str] = {}
@@ -50,16 +60,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     width makes it unnecessary (benchmarks measure what avoiding the copy saves)."""
 
     def validate(self) -> EngineConfig:
-        from .errors import InvalidInputError
-
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise InvalidInputError(f"{name}: expected an integer >= 1, got {getattr(self, name)}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise InvalidInputError(f"num_kv_blocks: expected >= 1, got {self.num_kv_blocks}")
-        if self.speculator is not None and self.num_speculative_tokens < 1:
+        """The same config with exact types within each field's bounds (numpy scalars become
+        int), or InvalidInputError naming the field: a bool or float where an int belongs, a
+        negative budget, a seed past int64."""
+        config = strict_fields(self, InvalidInputError)
+        if config.speculator is not None and config.num_speculative_tokens < 1:
             raise InvalidInputError(
-                f"num_speculative_tokens: expected >= 1 with a speculator, got {self.num_speculative_tokens}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise InvalidInputError(f"max_model_len: expected >= 2, got {self.max_model_len}")
-        return self
+                f"num_speculative_tokens: expected >= 1 with a speculator, got {config.num_speculative_tokens}")
+        return config

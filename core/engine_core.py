@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import numpy as np
 import torch
 
@@ -32,10 +33,12 @@ from .messages import (
     CoreOutputs,
     CoreReady,
     FrontendMessage,
+    Malformed,
     RequestDelta,
     Shutdown,
     UtilityCall,
     UtilityResult,
+    check_wire,
 )
 from .model_runner import ModelRunner, PendingStep
 from .models.builtin import resolve
@@ -54,7 +57,7 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config.validate()
+        self.config = config = config.validate()
         self.log = log.get("engine_core")
         self.platform = plugins.pick_platform(config.platform)
         self.dtype = parse_dtype(config.dtype) if config.dtype else self.platform.default_dtype()
@@ -72,9 +75,15 @@ class EngineCore:
                                                  // per_block)
         lookahead = caps.lookahead_slots(k) if caps is not None else 0
         # One request must always fit alone, or preemption could never make progress.
-        self.max_model_len = min(max_len, num_blocks * config.block_size - lookahead)
-        if self.max_model_len < 2:
-            raise InvalidInputError(f"KV cache of {num_blocks} blocks holds no request; give it more memory")
+        held = num_blocks * config.block_size - lookahead
+        self.max_model_len = min(max_len, held)
+        if held < max_len:  # a cache the user sized, or a context they asked for, fails; a default warns
+            need = -(-(max_len + lookahead) // config.block_size)
+            why = (f"a KV cache of {num_blocks} blocks holds {held} tokens per request, below max_model_len "
+                   f"{max_len}; give it {need} blocks ({need * per_block} bytes) or lower max_model_len")
+            if held < 2 or config.kv_cache_bytes or config.num_kv_blocks or config.max_model_len:
+                raise InvalidInputError(why)
+            self.log.warning("kv_cache_shrinks_context", max_model_len=max_len, context=held, reason=why)
         self.model_cfg = model_cfg
         model = load_model(path, self.dtype, self.platform.device, self.max_model_len + lookahead)
         self.speculator = None
@@ -86,7 +95,7 @@ class EngineCore:
             ctx = dataclasses.replace(
                 ctx, max_model_len=self.max_model_len, num_kv_blocks=num_blocks, draft_kv=draft_kv,
                 attention=self.platform.attention_backend(config.block_size, config.max_num_batched_tokens),
-                num_slots=config.max_num_seqs + 1)
+                num_slots=config.max_num_seqs + 1, fused_kernels=self.platform.capabilities.triton)
             self.speculator = spec_cls(ctx)
         max_blocks = -(-(self.max_model_len + lookahead + k + 1) // config.block_size)
         attention = self.platform.attention_backend(config.block_size, config.max_num_batched_tokens,
@@ -127,7 +136,7 @@ class EngineCore:
         if self.governor is not None:
             self.scheduler.draft_gate = self.governor.allow
         self.seeds = np.random.default_rng(config.seed)
-        self.inbox: deque[FrontendMessage] = deque()
+        self.inbox: deque[FrontendMessage | Malformed] = deque()
         self.wakeup: anyio.Event | None = None  # made inside the loop that runs the core
         self.running = True
         self.num_steps = 0
@@ -172,8 +181,15 @@ class EngineCore:
 
     def add_request(self, msg: AddRequest) -> RequestDelta | None:
         """Admits a request, or returns its error delta: bad input never reaches the scheduler."""
+        if isinstance(msg.prompt_token_ids, list | tuple):  # an in-process caller's list, checked as on the wire
+            ids = np.asarray(msg.prompt_token_ids)
+            msg = msgspec.structs.replace(msg, prompt_token_ids=ids if ids.size else ids.astype(np.int64))
         try:
-            prompt = [int(t) for t in msg.prompt_token_ids]
+            try:
+                check_wire(msg)
+            except ValueError as e:
+                raise InvalidInputError(str(e)) from None
+            prompt = msg.prompt_token_ids.tolist()
             if not prompt:
                 raise InvalidInputError("prompt is empty")
             if len(prompt) >= self.max_model_len:
@@ -251,31 +267,54 @@ class EngineCore:
 
     # --- the loop ---------------------------------------------------------------------------
 
-    def deliver(self, msg: FrontendMessage) -> None:
+    def deliver(self, msg: FrontendMessage | Malformed) -> None:
         self.inbox.append(msg)
         if self.wakeup is not None:
             self.wakeup.set()
 
     def _handle_inbox(self) -> tuple[list[RequestDelta], list[UtilityResult]]:
+        """Total: a message that fails to apply is logged with its traceback and answered with an
+        error where it has a key or call id; it never ends the loop."""
         errors: list[RequestDelta] = []
         results: list[UtilityResult] = []
         while self.inbox:
             msg = self.inbox.popleft()
-            match msg:
-                case AddRequest():
-                    delta = self.add_request(msg)
-                    if delta is not None:
-                        errors.append(delta)
-                case AbortRequests(keys=ids):
-                    self.abort(ids)
-                case UtilityCall(call_id=cid, method=method):
-                    if method == "stats":
-                        results.append(UtilityResult(cid, self.stats()))
-                    else:
-                        results.append(UtilityResult(cid, error=f"unknown utility method {method!r}"))
-                case Shutdown():
-                    self.running = False
+            try:
+                self._handle(msg, errors, results)
+            except Exception as e:
+                self.log.exception("message_failed", message=type(msg).__name__)
+                self._refuse(type(msg).__name__, getattr(msg, "key", getattr(msg, "call_id", None)),
+                             f"{type(e).__name__}: {e}", errors, results)
         return errors, results
+
+    def _handle(self, msg: FrontendMessage | Malformed, errors: list[RequestDelta],
+                results: list[UtilityResult]) -> None:
+        match msg:
+            case AddRequest():
+                delta = self.add_request(msg)
+                if delta is not None:
+                    errors.append(delta)
+            case AbortRequests(keys=ids):
+                self.abort(ids)
+            case UtilityCall(call_id=cid, method=method):
+                if method == "stats":
+                    results.append(UtilityResult(cid, self.stats()))
+                else:
+                    results.append(UtilityResult(cid, error=f"unknown utility method {method!r}"))
+            case Shutdown():
+                self.running = False
+            case Malformed(kind=kind, ident=ident, error=error):
+                self._refuse(kind, ident, f"malformed {kind or 'message'} frame: {error}", errors, results)
+
+    def _refuse(self, kind: str, ident: int | None, error: str, errors: list[RequestDelta],
+                results: list[UtilityResult]) -> None:
+        """Fails the request or call a bad message names, so its caller does not wait for ever."""
+        if ident is None:
+            return
+        if kind == "AddRequest" and ident not in self.scheduler.requests:
+            errors.append(RequestDelta(ident, [], "error", f"InvalidInputError: {error}"))
+        elif kind == "UtilityCall":
+            results.append(UtilityResult(ident, error=error))
 
     async def run(self, emit: Callable[[CoreMessage], Awaitable[None]]) -> None:
         """Steps until a Shutdown message arrives; `emit` sends a message to the frontend.

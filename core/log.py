@@ -17,6 +17,7 @@ ROOT = "speckernel"
 _PROCESSORS: list[structlog.typing.Processor] = [
     structlog.processors.add_log_level,
     structlog.processors.TimeStamper(fmt="iso"),
+    structlog.processors.format_exc_info,  # exc_info / .exception() render their traceback
     structlog.processors.KeyValueRenderer(key_order=["timestamp", "level", "event"]),
 ]
 

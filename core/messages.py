@@ -33,10 +33,14 @@ class AbortRequests(msgspec.Struct, **WIRE):
     keys: list[int]
 
 
+Scalar = int | float | str | bool | None
+"""Utility arguments are flat scalars, so decoding one never recurses (a nested frame fails fast)."""
+
+
 class UtilityCall(msgspec.Struct, **WIRE):
     call_id: int
     method: str
-    args: list[Any] = []
+    args: list[Scalar] = []
 
 
 class Shutdown(msgspec.Struct, **WIRE):
@@ -44,6 +48,29 @@ class Shutdown(msgspec.Struct, **WIRE):
 
 
 FrontendMessage = AddRequest | AbortRequests | UtilityCall | Shutdown
+
+
+def check_wire(msg: FrontendMessage) -> None:
+    """What the msgspec types cannot say about a decoded message; raises ValueError.
+
+    Token arrays arrive as any dtype and shape the sender chose (float with NaN, 2-D, 0-d,
+    unicode); only a 1-D integer array is a prompt."""
+    if isinstance(msg, AddRequest):
+        ids = msg.prompt_token_ids
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise ValueError(f"prompt_token_ids: expected a 1-D integer array, got {ids.dtype.str} of shape "
+                             f"{ids.shape}")
+
+
+class Malformed(msgspec.Struct, frozen=True):
+    """Not on the wire: the core's socket thread hands the loop a frame it had to drop, with what it
+    could still read of it, so a request or call whose id is known fails instead of waiting."""
+
+    kind: str
+    """The message tag ("AddRequest", "UtilityCall", ...), or "" when unreadable."""
+    ident: int | None
+    """Its key or call id, when readable."""
+    error: str
 
 
 # --- core → frontend -------------------------------------------------------------------------
@@ -84,4 +111,8 @@ class CoreFailed(msgspec.Struct, **WIRE):
     invalid_input: bool = False
 
 
-CoreMessage = CoreOutputs | UtilityResult | CoreReady | CoreFailed
+class Heartbeat(msgspec.Struct, **WIRE):
+    """Sent by the core's loop every HEARTBEAT_S: a core that stops sending them is hung."""
+
+
+CoreMessage = CoreOutputs | UtilityResult | CoreReady | CoreFailed | Heartbeat

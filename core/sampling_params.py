@@ -1,30 +1,108 @@
-"""Per-request sampling parameters, validated once when the request enters the engine."""
+"""Per-request sampling parameters, validated once when the request enters the engine.
+
+The field types carry msgspec `Meta` bounds, and `validate()` re-checks every value under
+msgspec's strict rules (a bool is not an int, a float is not an int, a str is not a number),
+so whatever passes also encodes to the core and decodes there: a value the core could not
+decode would leave the caller waiting on a request the core dropped.
+"""
 
 from __future__ import annotations
 
-import math
-import numbers
+import typing
+from typing import Annotated, Any, TypeVar
 
 import msgspec
+import msgspec.inspect
+import numpy as np
 
-from .errors import InvalidSamplingParamsError
+from .errors import InvalidInputError, InvalidSamplingParamsError
 
 MAX_INT32 = 2**31 - 1
+MAX_INT64 = 2**63 - 1
 MIN_TEMPERATURE = 1e-5
 """Temperatures in (0, MIN_TEMPERATURE) sample greedily: dividing logits by less overflows."""
+MAX_TEMPERATURE = 1e6
+"""Bounds the temperature to a finite float32 (an inf would turn logits into NaN)."""
+
+Count = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)]
+NonNegative32 = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)]
+Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT64)]
+"""Seeds travel as int64 on the device."""
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+StopString = Annotated[str, msgspec.Meta(min_length=1)]
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def plain(value: Any) -> Any:
+    """numpy scalars as the Python int/float/bool they hold (inside lists and tuples too): the
+    caller's np.int64 seed is a seed, not a type error."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(plain(v) for v in value)
+    return value
+
+
+def describe(info: msgspec.inspect.Type) -> str:
+    """What a msgspec type accepts, in words: 'an integer in [1, 2147483647]'."""
+    match info:
+        case msgspec.inspect.IntType() | msgspec.inspect.FloatType():
+            kind = "an integer" if isinstance(info, msgspec.inspect.IntType) else "a number"
+            lo = f"[{info.ge}" if info.ge is not None else f"({info.gt}" if info.gt is not None else "(-inf"
+            hi = f"{info.le}]" if info.le is not None else f"{info.lt})" if info.lt is not None else "inf)"
+            return kind if lo == "(-inf" and hi == "inf)" else f"{kind} in {lo}, {hi}"
+        case msgspec.inspect.BoolType():
+            return "True or False"
+        case msgspec.inspect.NoneType():
+            return "None"
+        case msgspec.inspect.StrType():
+            if info.pattern:
+                return f"a string matching {info.pattern}"
+            return "a non-empty string" if info.min_length else "a string"
+        case msgspec.inspect.UnionType():
+            return " or ".join(describe(t) for t in info.types)
+        case msgspec.inspect.VarTupleType() | msgspec.inspect.ListType():
+            return f"a sequence, each item {describe(info.item_type)}"
+        case msgspec.inspect.DictType():
+            return f"a mapping of {describe(info.key_type)} to {describe(info.value_type)}"
+        case msgspec.inspect.LiteralType():
+            return "one of " + ", ".join(repr(v) for v in info.values)
+    return type(info).__name__
+
+
+def strict_fields(obj: S, error: type[InvalidInputError]) -> S:
+    """obj with every field converted by msgspec under strict rules and its `Meta` bounds, or
+    `error` naming the field, what it accepts and what it got."""
+    hints = typing.get_type_hints(type(obj), include_extras=True)
+    values: dict[str, Any] = {}
+    for name in obj.__struct_fields__:
+        value = plain(getattr(obj, name))
+        try:
+            values[name] = msgspec.convert(value, hints[name], strict=True)
+        except msgspec.ValidationError as e:
+            where = str(e).partition(" - at `$")[2].rstrip("`")
+            where = f" (at {name}{where})" if where else ""
+            accepted = describe(msgspec.inspect.type_info(hints[name]))
+            raise error(f"{name}: expected {accepted}, got {value!r}{where}") from None
+    return msgspec.structs.replace(obj, **values)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
-    max_tokens: int = 128
-    temperature: float = 1.0
-    """0 is greedy; below 1e-5 counts as 0."""
-    top_k: int = 0
+    max_tokens: Count = 128
+    temperature: Temperature = 1.0
+    """0 is greedy; values in (0, 1e-5) count as 0 (validate() turns them into 0)."""
+    top_k: NonNegative32 = 0
     """0 keeps every token."""
-    top_p: float = 1.0
-    seed: int | None = None
-    """Fixes the random stream of this request alone: same seed, same tokens, whatever the batch."""
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    top_p: TopP = 1.0
+    seed: Seed | None = None
+    """Fixes the random stream of this request alone: same seed, same tokens, whatever the batch.
+    None: the engine draws a fresh seed for the request."""
+    stop: tuple[StopString, ...] = ()
+    stop_token_ids: tuple[NonNegative32, ...] = ()
     ignore_eos: bool = False
     structured_output: bool = False
     """Reserved for the grammar engine: forces draft IDs to the host for validation."""
@@ -35,47 +113,44 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """The same parameters with exact Python types (numpy scalars become int/float, a list
-        of stop strings a tuple), or InvalidSamplingParamsError naming the field. Everything
-        that passes here also encodes to the core: a value the core could not decode would
-        leave the caller waiting."""
+        of stop strings a tuple), stop token ids inside the vocabulary and a temperature below
+        MIN_TEMPERATURE set to 0, or InvalidSamplingParamsError naming the field."""
+        if isinstance(self.stop, str):  # a str is a sequence of one-letter strings: almost surely a slip
+            raise InvalidSamplingParamsError(f"stop: expected a sequence of non-empty strings, got {self.stop!r}")
+        params = strict_fields(self, InvalidSamplingParamsError)
+        if vocab_size is not None:
+            outside = [t for t in params.stop_token_ids if t >= vocab_size]
+            if outside:
+                raise InvalidSamplingParamsError(
+                    f"stop_token_ids: expected token ids in [0, {vocab_size - 1}], got {outside[0]!r}")
+        if 0.0 < params.temperature < MIN_TEMPERATURE:  # logits / 1e-45 overflow to inf: this close to 0 is greedy
+            params = msgspec.structs.replace(params, temperature=0.0)
+        return params
 
-        def bad(field: str, expected: str, got: object) -> InvalidSamplingParamsError:
-            return InvalidSamplingParamsError(f"{field}: expected {expected}, got {got!r}")
 
-        def integer(field: str, value: object, lo: int, hi: int) -> int:
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lo <= int(value) <= hi:
-                raise bad(field, f"an integer in [{lo}, {hi}]", value)
-            return int(value)
+def prompt_token_ids(prompt: object, vocab_size: int) -> list[int]:
+    """A caller's token-id prompt as a list of ints in [0, vocab_size), or InvalidInputError: a
+    1.5 is not token 1, and an id past the vocabulary would index past the embedding."""
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+            raise InvalidInputError(f"prompt: expected a 1-D array of integer token ids, got {prompt.dtype} "
+                                    f"with shape {prompt.shape}")
+        prompt = prompt.tolist()
+    ids = Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]
+    try:
+        return msgspec.convert(plain(list(prompt) if isinstance(prompt, tuple | range) else prompt),
+                               list[ids], strict=True)
+    except msgspec.ValidationError as e:
+        where = str(e).partition(" - at `$")[2].rstrip("`")
+        raise InvalidInputError(f"prompt: expected a str or a sequence of token ids in [0, {vocab_size - 1}], got "
+                                f"{prompt!r:.80}{f' (at prompt{where})' if where else ''}") from None
 
-        def real(field: str, value: object) -> float:
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-                raise bad(field, "a finite number", value)
-            return float(value)
 
-        def flag(field: str, value: object) -> bool:
-            if not isinstance(value, bool):
-                raise bad(field, "true or false", value)
-            return value
-
-        max_tokens = integer("max_tokens", self.max_tokens, 1, MAX_INT32)
-        temperature = real("temperature", self.temperature)
-        if temperature < 0:
-            raise bad("temperature", "a finite number >= 0", self.temperature)
-        if temperature < MIN_TEMPERATURE:  # logits / 1e-45 overflow to inf: this close to 0 is greedy
-            temperature = 0.0
-        top_k = integer("top_k", self.top_k, 0, MAX_INT32)
-        top_p = real("top_p", self.top_p)
-        if not 0.0 < top_p <= 1.0:
-            raise bad("top_p", "a number in (0, 1]", self.top_p)
-        seed = None if self.seed is None else integer("seed", self.seed, 0, 2**63 - 1)
-        if isinstance(self.stop, str) or not isinstance(self.stop, tuple | list) \
-                or any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "a sequence of non-empty strings", self.stop)
-        if not isinstance(self.stop_token_ids, tuple | list):
-            raise bad("stop_token_ids", "a sequence of token ids", self.stop_token_ids)
-        top_id = (vocab_size or 2**31) - 1
-        stop_ids = tuple(integer("stop_token_ids", t, 0, top_id) for t in self.stop_token_ids)
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                              stop=tuple(self.stop), stop_token_ids=stop_ids,
-                              ignore_eos=flag("ignore_eos", self.ignore_eos),
-                              structured_output=flag("structured_output", self.structured_output))
+def sampling_params(params: object, vocab_size: int | None = None) -> SamplingParams:
+    """The caller's parameters validated (None: the defaults), InvalidSamplingParamsError for
+    anything else, before a request is sent."""
+    if params is None:
+        params = SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidSamplingParamsError(f"params: expected a SamplingParams or None, got {params!r:.80}")
+    return params.validate(vocab_size)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
@@ -30,6 +31,25 @@ def byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")
         return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     return byte_level
+
+
+class ChatTurn(msgspec.Struct):
+    """What the chat template reads of a message (other keys pass through to it untouched)."""
+
+    role: Annotated[str, msgspec.Meta(min_length=1)]
+    content: str
+
+
+def check_messages(messages: object) -> None:
+    """InvalidInputError naming the first message field a template could not render (a None or
+    list content would render as 'None' or fail deep inside Jinja)."""
+    if not isinstance(messages, list | tuple):
+        raise InvalidInputError(f"messages: expected a list of {{'role': str, 'content': str}}, got {messages!r}")
+    try:
+        msgspec.convert(messages, list[ChatTurn], strict=True)
+    except msgspec.ValidationError as e:
+        message, _, where = str(e).partition(" - at `$")
+        raise InvalidInputError(f"messages{where.rstrip('`')}: {message[:1].lower()}{message[1:]}") from None
 
 
 class Tokenizer:
@@ -67,6 +87,7 @@ class Tokenizer:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        check_messages(messages)
         if not self.chat_template:
             # Without a template the conversation is joined plainly, so raw base models still work.
             return "\n".join(m["content"] for m in messages)
@@ -159,6 +180,10 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: Path) -> Tokenizer:
+        if str(path).startswith("random:"):  # a random-weight model: token N spelled <N>
+            from .models.synthetic_tokenizer import synthetic_tokenizer
+
+            return synthetic_tokenizer(path)
         if path.suffix == ".gguf":
             from .models.loader import converted
 

@@ -1,16 +1,26 @@
 """Draft verification: greedy and rejection sampling, one acceptance rule for both, batched on the device.
 
 Per row and draft position i the rule is: accept draft x_i while u_i * q_i(x_i) <= p_i(x_i)
-and x_i >= 0 (a -1 is never accepted). Greedy is the special case p = [x_i == argmax],
-q = u = 1. The first rejected position takes the recovered token (a sample of the residual
-max(p - q, 0), or the argmax for greedy); when every draft is accepted, the bonus token is a
-sample of p at the next position.
+and x_i >= 0 (a -1 is never accepted). The first rejected position takes the recovered token;
+when every draft is accepted, the bonus token is a sample of p at the next position.
+
+Deterministic drafts (no draft_probs: ngram, the learned drafters) are verified by coupling:
+every position's token is t_i, exactly what plain sampling draws for that output token (the
+argmax for greedy rows), and a draft is kept while x_i == t_i (p_i = [x_i == t_i], q = u = 1).
+That is rejection sampling with q one-hot: x_i is kept with probability p_i(x_i), and a rejected
+position emits t_i given t_i != x_i, a sample of the residual. Its tokens do not depend on the
+drafts at all, so a seeded request emits the same tokens with or without a speculator, and
+however batching, K=0 steps or preemption change which drafts it is offered.
+
+Sampled drafts (draft_probs q) take min(1, p/q) with an acceptance uniform u_i (entry 0 of the
+stream (seed ^ DRAFT_SALT, n) for output token n) and a residual sample of max(p - q, 0): the
+distribution is the target's, and a seeded request repeats its tokens when offered the same drafts.
 
 All rows and positions go through one fixed sequence of kernels (no loop over rows, no host
 sync, fixed shapes), so a step that verifies can be captured in a CUDA graph. Position j of a
 row samples with exactly the noise `sampler.sample_on_device` uses for that row's output token
 position + j, so a row without drafts samples what plain sampling samples, whatever else is in
-the batch. The acceptance uniform of output token n is entry 0 of the stream (seed ^ DRAFT_SALT, n).
+the batch.
 
 The acceptance step and the race that samples each position have Triton kernels for GPUs
 (use_triton) and torch paths elsewhere; both give the same tokens and are checked against each
@@ -125,15 +135,15 @@ def verify(
 
     cols = st.columns(k1)  # row r, position j -> flat row r * (K+1) + j, output token position + j
     p = probs_on_device(logits.reshape(r * k1, v), cols).view(r, k1, v)
+    if draft_probs is None:  # coupled: each position emits plain sampling's token, drafts kept while equal
+        plain = torch.where(st.greedy[:, None], best, race(p.view(r * k1, v), cols, use_triton).view(r, k1))
+        return accept(draft_ids, (plain[:, :k] == draft_ids).float(), ones, ones, plain, use_triton)
+
     safe_ids = draft_ids.clamp(min=0)[..., None]
     p_x = p[:, :k].gather(-1, safe_ids)[..., 0]
-    if draft_probs is None:  # q is one-hot at the draft: max(p - q, 0) is p without the draft
-        q_x = ones
-        residual = p[:, :k].scatter(-1, safe_ids, 0.0)
-    else:
-        q = draft_probs.float()
-        q_x = q.gather(-1, safe_ids)[..., 0]
-        residual = (p[:, :k] - q).clamp_(min=0.0)
+    q = draft_probs.float()
+    q_x = q.gather(-1, safe_ids)[..., 0]
+    residual = (p[:, :k] - q).clamp_(min=0.0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:, :k])
     # Where a row stops: the residual after a rejected draft, p where there was no draft and at K.
     stop = torch.cat([torch.where((draft_ids >= 0)[..., None], residual, p[:, :k]), p[:, k:]], dim=1)

@@ -1,4 +1,8 @@
-"""ZeroMQ transport: msgspec-framed messages over a PAIR socket, arrays as zero-copy frames."""
+"""ZeroMQ transport: msgspec-framed messages over a PAIR socket, arrays as zero-copy frames.
+
+Neither side can hang the other: sends give up after `send_timeout_s` (a PAIR socket blocks
+while no peer is connected) and a malformed message is a ValueError, never a crash.
+"""
 
 from __future__ import annotations
 
@@ -16,10 +20,13 @@ class ZmqTransport:
     name = "zmq"
     capabilities = TransportCapabilities(cross_process=True, zero_copy=True)
 
-    def __init__(self, address: str, bind: bool, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, address: str, bind: bool, ctx: zmq.Context | None = None,
+                 send_timeout_s: float | None = 10.0) -> None:
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.PAIR)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.send_timeout_s = send_timeout_s
+        self.sock.setsockopt(zmq.SNDTIMEO, -1 if send_timeout_s is None else int(send_timeout_s * 1000))
         (self.sock.bind if bind else self.sock.connect)(address)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT) if bind else address
         self.encoder = Encoder()
@@ -40,14 +47,20 @@ class ZmqTransport:
                 return msg
             self.stash[type(msg)].append(msg)
 
+    def _send(self, msg: TransportMessage) -> None:
+        try:
+            self.sock.send_multipart(self.encoder.encode(msg), copy=False)
+        except zmq.Again:
+            raise TimeoutError(f"no peer took a message within {self.send_timeout_s} s on {self.address}") from None
+
     def send_frame(self, frame: TokenFrame) -> None:
-        self.sock.send_multipart(self.encoder.encode(frame), copy=False)
+        self._send(frame)
 
     def recv_frame(self, timeout_s: float | None = None) -> TokenFrame:
         return self._recv(TokenFrame, timeout_s)  # type: ignore[return-value]
 
     def send_hidden(self, step_id: int, hidden: np.ndarray) -> None:
-        self.sock.send_multipart(self.encoder.encode(HiddenStates(step_id, hidden)), copy=False)
+        self._send(HiddenStates(step_id, hidden))
 
     def recv_hidden(self, timeout_s: float | None = None) -> tuple[int, np.ndarray]:
         msg: HiddenStates = self._recv(HiddenStates, timeout_s)  # type: ignore[assignment]

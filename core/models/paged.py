@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .config import ModelConfig
@@ -10,8 +12,13 @@ from .config import ModelConfig
 def new_kv_cache(model_cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
     """[layers, 2, slots, kv_heads, head_dim]; slot = block_id * block_size + offset."""
-    return torch.zeros(model_cfg.num_layers, 2, num_blocks * block_size, model_cfg.num_kv_heads,
-                       model_cfg.head_dim, dtype=dtype, device=device)
+    shape = (model_cfg.num_layers, 2, num_blocks * block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+    if torch.device(device).type == "cpu":  # calloc'd: zero pages the OS fills on first touch, not at start (~1 s/GiB)
+        import numpy as np
+
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
