@@ -19,6 +19,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -91,14 +92,19 @@ class AsyncEngine:
         if self.config.speculator is not None:
             plugins.load("speculator", self.config.speculator)
         path = await anyio.to_thread.run_sync(resolve, self.config.model)
-        self.tokenizer = await anyio.to_thread.run_sync(Tokenizer.load, path)
         client: CoreClient = InprocClient(self.config) if self.config.in_process else ProcessClient(self.config)
         # Unwinds in reverse: stop the pump, wait for the task group, then free the sockets.
         self._stack.callback(client.release)
         tg = await self._stack.enter_async_context(anyio.create_task_group())
         self._stack.push_async_callback(self._stop_pump, tg)
         try:
+            # The tokenizer loads in a thread while the core starts (a process importing torch
+            # and loading weights): start-up pays for the longer of the two, not their sum.
+            loader = ThreadPoolExecutor(1, thread_name_prefix="speckernel-tokenizer")
+            tokenizer = loader.submit(Tokenizer.load, path)
+            loader.shutdown(wait=False)
             self.info = await client.start(tg)
+            self.tokenizer = await anyio.to_thread.run_sync(tokenizer.result)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await client.close()

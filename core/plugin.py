@@ -31,7 +31,7 @@ from .models.llama import LlamaModel, RMSNorm
 from .models.loader import load_model, read_config
 from .models.paged import new_kv_cache
 from .models.rope import apply_rope, cos_sin_table
-from .sampler import draw_seed
+from .sampler import target_noise
 
 __all__ = [
     "AttentionBackend",
@@ -52,12 +52,12 @@ __all__ = [
     "TrainBatch",
     "apply_rope",
     "cos_sin_table",
-    "draw_seed",
     "fused_ops",
     "load_model",
     "new_kv_cache",
     "read_config",
     "resolve_model",
+    "target_noise",
 ]
 
 

@@ -43,10 +43,13 @@ _UNIT_BITS = 23
 on every device and strictly inside (0, 1), which keeps -log(u) finite and positive."""
 
 
-def draw_seed(seed: int, position: int) -> int:
-    """A torch.Generator seed for (seed, position), for host-side code that still draws with one
-    (the draft-model speculator)."""
-    return (seed * MIX + position * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
+def target_noise(seed: int, position: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[V] the Exp(1) noise the target's sampler races with for output token `position` of a
+    request with `seed`. A drafter that draws its draft there as argmax q / noise couples its
+    draft with the target's sample: verification keeps the draft exactly when the target draws
+    the same token, so tokens never depend on the drafts (and q close to p keeps most of them)."""
+    s = torch.tensor([seed], dtype=torch.int64, device=device)
+    return exponential_noise(s, torch.tensor([position], dtype=torch.int64, device=device), vocab_size)[0]
 
 
 # --- Counter-based random numbers ----------------------------------------------------------------------------

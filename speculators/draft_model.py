@@ -28,13 +28,11 @@ from speckernel.plugin import (
     SpeculatorCapabilities,
     SpeculatorContext,
     TargetStates,
-    draw_seed,
     load_model,
     read_config,
     resolve_model,
+    target_noise,
 )
-
-DRAFT_SALT = 0xD4AF7
 
 
 class DraftModelOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -55,7 +53,7 @@ class DraftModelSpeculator(SpeculatorBase):
     name = "draft_model"
     capabilities = SpeculatorCapabilities(draft_width="fixed", supports_k0=True, max_k=16,
                                           k0_pass="draft prefill: the draft model takes in the confirmed tokens",
-                                          lookahead_slots_per_draft=1, sampled_drafts=True)
+                                          lookahead_slots_per_draft=1)
     Options = DraftModelOptions
 
     def __init__(self, ctx: SpeculatorContext) -> None:
@@ -124,26 +122,28 @@ class DraftModelSpeculator(SpeculatorBase):
         logits = self._catch_up(states)
         rows = [i for i in range(states.num_rows) if states.samples[i]]
         drafts = torch.zeros(states.num_rows, k, dtype=torch.int64, device=self.device)
-        probs = torch.zeros(states.num_rows, k, logits.shape[-1], device=self.device)
         idx = torch.tensor(rows, device=self.device)
         logits = logits[idx]
+        # A sampled row's draft j is drawn with the target's own noise for the output token it
+        # will be verified against, so the drafts are a function of (seed, position): verification
+        # keeps each one exactly when the target samples the same token (no q needed, and tokens
+        # are the same with or without this speculator).
+        accepted = states.accepted.tolist()
         for j in range(k):
-            step = logits.argmax(-1)  # greedy rows; verification ignores q for them
+            step = logits.argmax(-1)  # greedy rows
             for n, i in enumerate(rows):
                 s = states.sampling[i]
                 if s is not None and s.temperature != 0.0:
-                    q = (logits[n] / s.temperature).softmax(-1)
-                    gen = torch.Generator(device=self.device).manual_seed(
-                        draw_seed(s.seed ^ DRAFT_SALT, states.seq_lens[i] + j))
-                    step[n] = (q / torch.empty_like(q).exponential_(generator=gen)).argmax()
-                    probs[i, j] = q
+                    q = (logits[n].float() / s.temperature).softmax(-1)
+                    noise = target_noise(s.seed, s.position + accepted[i] + 1 + j, q.shape[-1], self.device)
+                    step[n] = (q / noise).argmax()
             drafts[idx, j] = step
             if j + 1 < k:
                 meta = self.attention.prepare([(states.seq_lens[i] + j, 1, states.block_tables[i]) for i in rows])
                 logits = self.model.logits(self.model(step, self.kv, meta))
         for i in rows:
             self.slots[states.slots[i]].drafted_end = states.seq_lens[i] + k - 1
-        return Drafts(drafts, probs)
+        return Drafts(drafts)
 
     @torch.inference_mode()
     def sync(self, states: TargetStates) -> None:

@@ -69,6 +69,7 @@ def test_a_seeded_request_emits_the_same_tokens_however_it_runs(temperature: flo
         "ngram, preempted, two frames in flight": dict(num_kv_blocks=TIGHT, depth=2, **NGRAM),
         "ngram, preempted, no K=0 steps, synchronous scheduling": dict(
             num_kv_blocks=TIGHT, skip_drafts=False, async_scheduling=False, **NGRAM),
+        "draft_model, batched": dict(num_kv_blocks=ROOMY, speculator="draft_model", num_speculative_tokens=3),
     }
     accepted = preempted = 0
     for name, how in settings.items():
@@ -79,6 +80,18 @@ def test_a_seeded_request_emits_the_same_tokens_however_it_runs(temperature: flo
             assert got[k] == solo[k], f"{name}: request {k} diverges at {first_difference(got[k], solo[k])}"
     assert preempted > 0, "the tight cache should have forced preemption"
     assert accepted > 0 or temperature > 0.5, "drafts should have been kept at a low temperature"
+
+
+def test_a_sampled_draft_drawn_with_the_targets_noise_is_kept_when_the_draft_model_is_the_target() -> None:
+    """draft_model over the target's own weights draws each draft with the target's noise for
+    the output token it is verified against: q = p there, so every draft is the token the
+    target samples and all are kept. A draft drawn at the wrong position's noise (or with noise
+    of its own) would be kept only by chance."""
+    keys = list(range(len(PROMPTS)))
+    params = {k: SamplingParams(max_tokens=24, temperature=0.8, seed=7 + k, ignore_eos=True) for k in keys}
+    _, stats = run(keys, params, num_kv_blocks=ROOMY, speculator="draft_model", num_speculative_tokens=3)
+    spec = stats["spec"]
+    assert spec["num_draft_tokens"] > 30 and spec["acceptance_rate"] > 0.99, spec
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
