@@ -4,7 +4,8 @@ Per row and draft position i the rule is: accept draft x_i while u_i * q_i(x_i) 
 and x_i >= 0 (a -1 is never accepted). The first rejected position takes the recovered token;
 when every draft is accepted, the bonus token is a sample of p at the next position.
 
-Deterministic drafts (no draft_probs: ngram, the learned drafters) are verified by coupling:
+Deterministic drafts (no draft_probs: ngram, the learned drafters, and draft_model, which draws
+its sampled drafts with the target's own noise) are verified by coupling:
 every position's token is t_i, exactly what plain sampling draws for that output token (the
 argmax for greedy rows), and a draft is kept while x_i == t_i (p_i = [x_i == t_i], q = u = 1).
 That is rejection sampling with q one-hot: x_i is kept with probability p_i(x_i), and a rejected
@@ -12,9 +13,10 @@ position emits t_i given t_i != x_i, a sample of the residual. Its tokens do not
 drafts at all, so a seeded request emits the same tokens with or without a speculator, and
 however batching, K=0 steps or preemption change which drafts it is offered.
 
-Sampled drafts (draft_probs q) take min(1, p/q) with an acceptance uniform u_i (entry 0 of the
-stream (seed ^ DRAFT_SALT, n) for output token n) and a residual sample of max(p - q, 0): the
-distribution is the target's, and a seeded request repeats its tokens when offered the same drafts.
+Sampled drafts (draft_probs q, from a speculator that declares sampled_drafts) take min(1, p/q)
+with an acceptance uniform u_i (entry 0 of the stream (seed ^ DRAFT_SALT, n) for output token n)
+and a residual sample of max(p - q, 0): the distribution is the target's, and a seeded request
+repeats its tokens when offered the same drafts.
 
 All rows and positions go through one fixed sequence of kernels (no loop over rows, no host
 sync, fixed shapes), so a step that verifies can be captured in a CUDA graph. Position j of a

@@ -109,16 +109,21 @@ def checkpoint(method: str, ctx: SpeculatorContext) -> tuple[Path, DrafterConfig
                                     "`speckernel train-drafter`")
         raise InvalidInputError(f"{method}: no shipped drafter; train one with `speckernel train-drafter "
                                 f"--method {method}` and pass its folder with --draft-model")
+    return folder, read_checked(folder, method, ctx.target, "this" if ctx.draft_model else "the shipped")
+
+
+def read_checked(folder: Path, method: str, target: ModelConfig, source: str = "this") -> DrafterConfig:
+    """A checkpoint's config, refused when it is another method's or was trained for another
+    target shape (what serving and `train-drafter --init` both load)."""
     cfg = read_config(folder)
     if cfg.method != method:
         raise InvalidInputError(f"{folder} holds a {cfg.method} drafter, not {method}")
-    want = TargetShape.of(ctx.target)
+    want = TargetShape.of(target)
     if cfg.target != want:
-        source = "the shipped" if not ctx.draft_model else "this"
         raise InvalidInputError(
             f"{method}: {source} drafter was trained for a target with {msgspec.to_builtins(cfg.target)}, "
             f"not {msgspec.to_builtins(want)}; train one for this target with `speckernel train-drafter`")
-    return folder, cfg
+    return cfg
 
 
 def load_weights(module: nn.Module, folder: Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -340,15 +345,8 @@ class LearnedSpeculator(SpeculatorBase):
 
     @classmethod
     def read_checkpoint(cls, folder: Path, target: ModelConfig) -> DrafterConfig:
-        """A checkpoint's architecture, refused when it is another method's or another target's
-        (what `train-drafter --init` starts from)."""
-        cfg = read_config(folder)
-        if cfg.method != cls.name:  # type: ignore[attr-defined]
-            raise InvalidInputError(f"{folder} holds a {cfg.method} drafter, not {cls.name}")  # type: ignore[attr-defined]
-        if cfg.target != TargetShape.of(target):
-            raise InvalidInputError(f"{folder}: trained for a target with {msgspec.to_builtins(cfg.target)}, "
-                                    f"not {msgspec.to_builtins(TargetShape.of(target))}")
-        return cfg
+        """The architecture `train-drafter --init` starts from, checked like a served checkpoint."""
+        return read_checked(folder, cls.name, target)  # type: ignore[attr-defined]
 
     @classmethod
     def save(cls, folder: Path, module: Any) -> None:
