@@ -116,10 +116,11 @@ class EngineCore:
             model.use_triton_ops(True)
         if (self.platform.capabilities.supports_graphs and not config.enforce_eager
                 and getattr(attention, "supports_padding", False)):
-            from .step_graphs import StepGraphs
+            from .step_graphs import StepGraphs, prefill_buckets
 
             graphs = StepGraphs(self.runner, self.platform, config.max_num_seqs, (0, k),
-                                draft_ks=(0, k) if caps is not None and caps.device_only else (0,))
+                                draft_ks=(0, k) if caps is not None and caps.device_only else (0,),
+                                prefill_tokens=prefill_buckets(min(config.max_num_batched_tokens, self.max_model_len)))
             try:
                 graphs.capture()
                 self.runner.graphs = graphs

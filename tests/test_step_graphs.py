@@ -64,14 +64,15 @@ class NoGraphPlatform:
         pass
 
 
-def runner(graphs: bool) -> ModelRunner:
+def runner(graphs: bool, prefill: tuple[int, ...] = ()) -> ModelRunner:
     torch.manual_seed(0)
     model = LlamaModel(TINY, MAX_LEN + K + 2).eval().to(DEV)
     attention = TritonPagedAttention(BLOCK, 64, DEV, max_rows=SLOTS + 1, max_blocks=MAX_LEN // BLOCK + 1)
     r = ModelRunner(model, DEV, num_blocks=SLOTS * (MAX_LEN // BLOCK), block_size=BLOCK, attention=attention,
                     num_slots=SLOTS, max_model_len=MAX_LEN, max_k=K, max_num_tokens=64)
     if graphs:
-        g = ReplayGraphs(r, NoGraphPlatform(), max_rows=SLOTS, ks=(0, K))  # type: ignore[arg-type]
+        g = ReplayGraphs(r, NoGraphPlatform(), max_rows=SLOTS, ks=(0, K),  # type: ignore[arg-type]
+                         prefill_tokens=prefill)
         g.capture()
         r.graphs = g
     return r
@@ -168,11 +169,36 @@ def test_replayed_verification_equals_eager_verification(drafts: tuple[int, int]
     same_kv(eager, replayed)
 
 
-def test_prefill_and_mixed_steps_run_eagerly() -> None:
+def test_prefill_and_mixed_steps_run_eagerly_without_prompt_buckets() -> None:
     r = runner(True)
     frame = StepFrame(0, [ScheduledRow(0, 0, 0, 0, [1, 2, 3], blocks(0), sampling(0, 0))])
     r.execute(frame)
     assert r.graphs is not None and r.graphs.num_replays == 0, "a prefill step is not a captured shape"
+
+
+def test_replayed_prompt_steps_equal_eager_steps() -> None:
+    """One row's prompt pads to the next token bucket: whole prompts, a prompt in two chunks
+    (the first samples nothing, the second starts past position 0), sampled rows; a prompt
+    longer than every bucket and a step of two prompts run eagerly."""
+    eager, replayed = runner(False), runner(True, prefill=(8, 16))
+    rng = np.random.default_rng(4)
+    p = {s: rng.integers(0, TINY.vocab_size, n).tolist() for s, n in ((0, 5), (1, 16), (2, 11), (3, 21), (4, 3))}
+    frames = [
+        StepFrame(0, [ScheduledRow(0, 0, 0, 0, p[0], blocks(0), sampling(0, 0))]),  # bucket 8
+        StepFrame(1, [ScheduledRow(1, 0, 1, 0, p[1], blocks(1), sampling(1, 0))]),  # bucket 16, sampled
+        StepFrame(2, [ScheduledRow(2, 0, 2, 0, p[2][:6], blocks(2), None)]),  # a first chunk: no sampling
+        StepFrame(3, [ScheduledRow(2, 0, 2, 6, p[2][6:], blocks(2), sampling(2, 0))]),  # the rest, from 6
+        StepFrame(4, [ScheduledRow(3, 0, 3, 0, p[3], blocks(3), sampling(3, 0))]),  # 21 > 16: eager
+        StepFrame(5, [ScheduledRow(4, 0, 4, 0, p[4], blocks(4), sampling(4, 0)),  # two rows: eager
+                      ScheduledRow(0, 0, 0, 5, [], blocks(0), sampling(0, 1), num_placeholder_inputs=1)]),
+    ]
+    outs = {name: [r.execute(f) for f in frames] for name, r in (("eager", eager), ("replayed", replayed))}
+    assert outs["eager"] == outs["replayed"]
+    assert [len(row.sampled) for res in outs["replayed"] for row in res.rows] == [1, 1, 0, 1, 1, 1, 1]
+    assert replayed.graphs is not None and replayed.graphs.num_replays == 4, "four one-row prompt steps replayed"
+    same_kv(eager, replayed)
+    assert torch.equal(eager.pool.tokens[:SLOTS, :-1], replayed.pool.tokens[:SLOTS, :-1]), \
+        "padding wrote no token a request reads"
 
 
 def graphs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
