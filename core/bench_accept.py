@@ -61,6 +61,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         label = "none" if name is None else f"{config.speculator}{args.label or ''}"
         if name is not None and ":" in name:
             label = f"{label} K={config.num_speculative_tokens}"
+            options = name.split(":", 2)[2:]
+            if options:  # runs of one speculator with other options must not share a row
+                label = f"{label} {options[0]}"
         print(f"bench accept: {label} on {len(conversations)} prompts", file=sys.stderr)
         runs[label] = await run_one(config, conversations, params, label, args.concurrency)
     reference = runs["none"]["outputs"]

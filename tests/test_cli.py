@@ -104,6 +104,7 @@ def test_bench_accept_writes_json_table_and_plot(tmp_path) -> None:  # type: ign
     import importlib.util
 
     proc = run("bench", "accept", "--limit", "2", "--max-tokens", "8", "--speculator", "ngram",
+               "--speculator", "ngram:2:prompt_lookup_max=2", "--speculator", "ngram:2:prompt_lookup_max=3",
                "--platform", "cpu", "--out", str(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "accept.json").read_text())
@@ -113,6 +114,9 @@ def test_bench_accept_writes_json_table_and_plot(tmp_path) -> None:  # type: ign
     assert ngram["spec"]["num_host_draft_copies"] > 0  # variable width copies its drafts
     table = (tmp_path / "accept.md").read_text()
     assert "| ngram |" in table and report["command"] in table
+    # runs that differ only in their options keep a row each
+    assert {"ngram K=2 prompt_lookup_max=2", "ngram K=2 prompt_lookup_max=3"} <= set(report["runs"])
+    assert "| ngram K=2 prompt_lookup_max=3 |" in table
     assert (tmp_path / "accept.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
 
 
