@@ -167,3 +167,49 @@ def test_data_is_the_targets_answers_through_the_engine(tmp_path) -> None:  # ty
     again = make("again.npz", "--shard", "1/2", "--temperature", "0.8")
     assert len(sampled) == 1 and sampled.get(0)[1] == greedy.get(1)[1]  # the second prompt only
     assert sampled.get(0)[0].tolist() == again.get(0)[0].tolist()  # seeded: the same answer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_served_first_drafts_are_the_dense_first_run_of_training(method, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The chain's feature shift, served as trained: the first draft of every step, made from the
+    newest token and the target's feature of the position before it (carried across steps by
+    the catch-up), is what training's first run predicts there over the whole sequence at once.
+    So the served drafts accept exactly where the dense predictions equal the next token, along
+    the path the steps take (a step starts 2 positions on after an accepted draft, 1 after a
+    rejected one). A feature one position off, or a catch-up that left a stale carry, breaks it."""
+    import torch
+
+    from speckernel.speculators.learned import causal_mask, masked_attention
+    from speckernel.train_data import TargetFeatures
+
+    from .conftest import PROMPTS
+
+    core = EngineCore(EngineConfig(platform="cpu", max_model_len=512, speculator=method, num_speculative_tokens=1))
+    prompt = tokenizer.encode(PROMPTS[0])
+    out = run_to_completion(core, [prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    spec = core.stats()["spec"]
+    tokens = torch.tensor(prompt + out)
+    m = core.speculator.module
+    cfg = m.config
+    t = tokens.shape[0]
+    with torch.inference_mode():
+        batch = TargetFeatures(core.runner.model, cfg.target_layers, cfg.kv_layers).batch(
+            tokens[None], torch.ones(1, t, dtype=torch.bool))
+        target_feature = m.feature(batch.hidden)
+        feature = torch.cat([torch.zeros_like(target_feature[:, :1]), target_feature[:, :-1]], dim=1)
+        cos, sin = m.rope(torch.arange(t))
+        mask = causal_mask(t, tokens.device)
+        hidden = m.run(batch.target.embed(tokens[None]), feature, cos[None], sin[None],
+                       lambda q, k, v: masked_attention(q, k, v, mask, m.scale))
+        dense = m.to_target_ids(m.logits(hidden, batch.target).argmax(-1))[0].tolist()
+    q, accepted = len(prompt), 0  # the first draft is made at the prompt's sampled token
+    for _ in range(spec["num_drafts"]):
+        if q + 1 >= t:  # served steps went further than the dense path allows: already wrong
+            accepted = -1
+            break
+        hit = dense[q] == tokens[q + 1]
+        accepted += int(hit)
+        q += 2 if hit else 1
+    assert spec["num_drafts"] >= 20 and 0 < spec["num_accepted_tokens"] < spec["num_drafts"], spec
+    assert spec["num_accepted_tokens"] == accepted, (spec, accepted)
