@@ -530,3 +530,47 @@ def test_zmq_transport_send_is_bounded_and_a_bad_frame_is_a_value_error() -> Non
             b.close()
     finally:
         a.close()
+
+
+def test_a_core_whose_loop_raises_reports_the_cause_and_exits_with_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing the frontend sends crashes the core any more, so the crash path gets a loop that
+    raises: the core serves `run_core_process` here, over CURVE sockets this test binds as its
+    frontend, and must say it is ready, then send CoreFailed naming the real exception (not the
+    task group around it), and return exit code 1."""
+    from speckernel import core_process
+    from speckernel.engine_core import EngineCore
+    from speckernel.messages import CoreFailed, CoreMessage, CoreReady
+
+    async def crash(self: EngineCore, emit: Any) -> None:
+        raise RuntimeError("boom in the loop")
+
+    monkeypatch.setattr(EngineCore, "run", crash)
+    monkeypatch.setattr(core_process.log, "configure", lambda level: None)  # the test process keeps its logging
+    server_public, server_secret = zmq.curve_keypair()
+    public, secret = zmq.curve_keypair()
+    ctx = zmq.Context()
+    to_core, from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    for sock in (to_core, from_core):
+        sock.curve_server = True
+        sock.curve_secretkey = server_secret
+        sock.bind("tcp://127.0.0.1:*")
+    boot = core_process.CoreBootstrap(
+        config=msgspec.structs.replace(CONFIG, log_level="critical"), in_addr=to_core.last_endpoint.decode(),
+        out_addr=from_core.last_endpoint.decode(), parent_pid=os.getppid(), server_key=server_public,
+        public_key=public, secret_key=secret)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        with hard_deadline(60):
+            code = core_process.run_core_process(boot)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    decoder = Decoder(CoreMessage)
+    received = []
+    while from_core.poll(2000):
+        received.append(decoder.decode(from_core.recv_multipart(copy=False)))
+    ctx.destroy(linger=0)
+    assert code == core_process.EXIT_CRASHED == 1
+    assert isinstance(received[0], CoreReady)
+    failed = [m for m in received if isinstance(m, CoreFailed)]
+    assert len(failed) == 1 and failed[0].error_type == "RuntimeError", received
+    assert failed[0].message == "boom in the loop" and not failed[0].invalid_input
