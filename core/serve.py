@@ -48,6 +48,11 @@ def main(args: argparse.Namespace) -> int:
     # Unknown names and bad flags fail here with the CLI's one-line message (exit 2), not
     # inside uvicorn's start-up.
     check_engine_args(args)
+    # The server process owns its metrics: no `_created` sample per series (the library itself
+    # leaves prometheus_client's process-wide switches alone for those who embed the app).
+    from prometheus_client import disable_created_metrics
+
+    disable_created_metrics()
     cfg = config(args)
     app = build_app(cfg, api_key=args.api_key)
     level = args.log_level.lower()

@@ -192,6 +192,7 @@ def test_usage_and_metrics_count_tokens(tiny: Served) -> None:
                  'speckernel_requests_total{outcome="length"}', "speckernel_kv_blocks_in_use",
                  "speckernel_spec_acceptance_rate", "speckernel_spec_k0_steps_total"):
         assert name in text
+    assert "_created" not in text, "the server leaves out prometheus_client's creation-time samples"
 
 
 def test_dead_core_gives_503_and_health_says_so(servers: list[Served]) -> None:
