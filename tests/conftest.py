@@ -115,3 +115,12 @@ def fit(module, batch, steps: int = 30, lr: float = 3e-3) -> tuple[list[float], 
         opt.step()
         losses.append(float(loss.detach()))
     return losses, figures
+
+
+def default_sigint() -> None:
+    """preexec_fn for a child that must stop on Ctrl-C: a runner that starts the suite as a
+    background job leaves SIGINT ignored, the child inherits that, and Python then never
+    raises KeyboardInterrupt in it."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

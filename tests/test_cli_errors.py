@@ -15,6 +15,8 @@ import pytest
 
 from speckernel import cli
 
+from .conftest import default_sigint
+
 
 @pytest.fixture
 def empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -185,7 +187,8 @@ def test_chat_history_drops_oldest_turns_and_keeps_the_system_prompt() -> None:
 
 def start(*args: str, **kwargs: object) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "speckernel", *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)  # type: ignore[call-overload]
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint,
+                            **kwargs)  # type: ignore[call-overload]
 
 
 def wait_for_output(proc: subprocess.Popen[bytes], marker: bytes, count: int = 1, timeout: float = 120) -> bytes:

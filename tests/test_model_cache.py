@@ -17,6 +17,8 @@ import pytest
 from speckernel.errors import InvalidInputError, ModelFetchError
 from speckernel.models import builtin, loader
 
+from .conftest import default_sigint
+
 CONTENT = b"weights " * 4096
 ASSET = builtin.WheelAsset("tiny", "tiny-pkg", "1.0", "tiny_pkg/tiny.gguf", hashlib.sha256(CONTENT).hexdigest(), "")
 
@@ -133,7 +135,8 @@ def alive(pid: int) -> bool:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_fetch_leaves_no_temp_folder_and_no_child(sig: signal.Signals, tmp_path: Path) -> None:
     env = {**os.environ, "SPECKERNEL_CACHE": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED_FETCH], env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED_FETCH], env=env, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     models = tmp_path / "models"
     deadline = time.monotonic() + 60
     pid_files: list[Path] = []
