@@ -215,6 +215,7 @@ def graphs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
                         msgspec.structs.replace(CpuPlatform.capabilities, triton=True, supports_graphs=True))
     monkeypatch.setattr(StepGraphs, "_record", ReplayGraphs._record)
     monkeypatch.setattr("speckernel.step_graphs.SAMPLING_KINDS", ((True, False),))
+    monkeypatch.setattr("speckernel.step_graphs.PREFILL_BUCKETS", (32,))  # the prompts fit; interpreting is slow
 
 
 @pytest.mark.parametrize("spec", [{}, {"speculator": "ngram", "num_speculative_tokens": 3}])
@@ -235,7 +236,7 @@ def test_engine_with_replayed_graphs_equals_the_eager_engine(spec: dict, monkeyp
         core = EngineCore(EngineConfig(model="random:tiny", platform="cpu", dtype="float32", max_model_len=96,
                                        max_num_seqs=4, num_kv_blocks=48, enforce_eager=eager, **spec))
         for key, p in enumerate(prompts):
-            assert core.add_request(AddRequest(key, p, SamplingParams(max_tokens=12, temperature=0.0,
+            assert core.add_request(AddRequest(key, p, SamplingParams(max_tokens=9, temperature=0.0,
                                                                       ignore_eos=True))) is None
         out: dict[int, list[int]] = {key: [] for key in range(len(prompts))}
         while core.scheduler.requests:
@@ -291,7 +292,7 @@ def test_run_ahead_speculation_equals_waiting_for_each_step(temperature: float,
         core = EngineCore(EngineConfig(model="random:tiny", platform="cpu", dtype="float32", max_model_len=96,
                                        max_num_seqs=4, num_kv_blocks=48, **spec))  # type: ignore[arg-type]
         for key, p in enumerate(prompts):
-            params = SamplingParams(max_tokens=14, temperature=temperature, seed=key, ignore_eos=True)
+            params = SamplingParams(max_tokens=10, temperature=temperature, seed=key, ignore_eos=True)
             assert core.add_request(AddRequest(key, p, params)) is None
         out, shifted = drive(core, depth)
         return out, shifted, core.stats()
