@@ -61,9 +61,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         label = "none" if name is None else f"{config.speculator}{args.label or ''}"
         if name is not None and ":" in name:
             label = f"{label} K={config.num_speculative_tokens}"
-            options = name.split(":", 2)[2:]
-            if options:  # runs of one speculator with other options must not share a row
-                label = f"{label} {options[0]}"
+            if config.speculator_options:  # runs of one speculator with other options must not share a row
+                label = f"{label} " + ",".join(f"{k}={v}" for k, v in config.speculator_options.items())
         print(f"bench accept: {label} on {len(conversations)} prompts", file=sys.stderr)
         runs[label] = await run_one(config, conversations, params, label, args.concurrency)
     reference = runs["none"]["outputs"]
