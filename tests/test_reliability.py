@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import msgspec
 import numpy as np
 import pytest
@@ -41,6 +42,8 @@ from speckernel.messages import AddRequest, CoreOutputs, FrontendMessage, Reques
 from speckernel.tokenizer import Tokenizer
 from speckernel.transport import TokenFrame
 from speckernel.transports.zmq import ZmqTransport
+
+from .conftest import exited
 
 CONFIG = EngineConfig(model="random:tiny", platform="cpu", max_model_len=1024, num_kv_blocks=80, seed=0)
 PROMPT = [1, 2, 3, 4]
@@ -103,16 +106,6 @@ def dead_pid() -> int:
     return done.pid
 
 
-def gone(pid: int) -> bool:
-    """Exited (a zombie that no one has reaped yet counts as exited)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
-
-
 async def collect(engine: AsyncEngine, params: SamplingParams = SHORT, request_id: str | None = None) -> list[Any]:
     return [out async for out in engine.generate(PROMPT, params, request_id=request_id)]
 
@@ -124,6 +117,16 @@ async def first_output_then_hold(engine: AsyncEngine, request_id: str, started: 
             started.set()
     except EngineDeadError as e:
         errors.append(e)
+
+
+async def hold_a_request(tg: anyio.abc.TaskGroup, engine: AsyncEngine) -> list[BaseException]:
+    """Starts a long request in `tg` and returns once its first output arrived: the core is then
+    mid-request. The list it returns receives the EngineDeadError that ends the request."""
+    started, errors = anyio.Event(), []
+    tg.start_soon(first_output_then_hold, engine, "held", started, errors)
+    with anyio.fail_after(20):
+        await started.wait()
+    return errors
 
 
 # --- the engines, all started at once --------------------------------------------------------
@@ -378,11 +381,8 @@ async def test_core_killed_while_the_loop_is_busy_then_abort_stats_generate_rais
     owned = pool.owned["killed"]
     engine, proc = owned.engine, owned.proc
     assert engine is not None
-    started, errors = anyio.Event(), []
     async with anyio.create_task_group() as tg:
-        tg.start_soon(first_output_then_hold, engine, "held", started, errors)
-        with anyio.fail_after(20):
-            await started.wait()
+        errors = await hold_a_request(tg, engine)
         proc.kill()
         time.sleep(0.5)  # the loop is busy; meanwhile the core and its socket go away
         t0 = time.monotonic()
@@ -404,11 +404,8 @@ async def test_hung_core_is_reported_dead_within_the_heartbeat_bound_and_shutdow
     owned = pool.owned["hung"]
     engine, proc = owned.engine, owned.proc
     assert engine is not None
-    started, errors = anyio.Event(), []
     async with anyio.create_task_group() as tg:
-        tg.start_soon(first_output_then_hold, engine, "held", started, errors)
-        with anyio.fail_after(20):
-            await started.wait()
+        errors = await hold_a_request(tg, engine)
         os.kill(proc.pid, signal.SIGSTOP)
         t0 = time.monotonic()
         with anyio.fail_after(HEARTBEAT_TIMEOUT_S + 2), pytest.raises(EngineDeadError, match="heartbeat"):
@@ -436,11 +433,8 @@ async def test_sigterm_to_the_core_ends_it_within_a_second_and_names_the_cause(p
     owned = pool.owned["sigterm"]
     engine, proc = owned.engine, owned.proc
     assert engine is not None
-    started, errors = anyio.Event(), []
     async with anyio.create_task_group() as tg:
-        tg.start_soon(first_output_then_hold, engine, "held", started, errors)
-        with anyio.fail_after(20):
-            await started.wait()
+        errors = await hold_a_request(tg, engine)
         proc.terminate()
         t0 = time.monotonic()
         code = await anyio.to_thread.run_sync(proc.wait, 5)
@@ -478,10 +472,10 @@ async def test_sigterm_to_the_frontend_takes_the_core_within_a_second_and_its_fo
     frontend.terminate()
     t0 = time.monotonic()
     assert await anyio.to_thread.run_sync(frontend.wait, 5) == -signal.SIGTERM
-    while not gone(core_pid) and time.monotonic() - t0 < 5:
+    while not exited(core_pid) and time.monotonic() - t0 < 5:
         await anyio.sleep(0.02)
     took = time.monotonic() - t0
-    assert gone(core_pid)
+    assert exited(core_pid)
     assert took < 1.0, f"core outlived its SIGTERMed frontend by {took:.2f} s"
     assert Path(ipc_dir).exists() and Path(ipc_dir).parent == pool.frontend_tmp  # a killed run cleans nothing
     monkeypatch.setattr(tempfile, "tempdir", str(pool.frontend_tmp))
