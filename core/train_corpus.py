@@ -10,15 +10,20 @@ prompts nor its problems. So the corpus is made from two sources that are not Hu
   taken from code nobody wrote for a benchmark. About half are asked with the HumanEval phrasing
   ("Complete this Python function."), the rest with other phrasings, so the drafters are not
   tied to one wording. Functions that share a name with a HumanEval entry point are left out.
+* optionally, stubs of the functions of installed packages (`--package numpy --package sympy ...`),
+  chosen the same way: code written for libraries, not benchmarks, in far greater number and
+  variety than the stdlib alone (about 2,500 stubs). A corpus with packages depends on their
+  versions, which `main` prints.
 * hand-written requests (`INSTRUCTIONS`), written for this module: programming (functions,
   classes, bugs, SQL, shell, regex, algorithms, tests) and general (explanations, summaries,
   stories, emails, word problems), chosen to avoid the HumanEval problems. When a corpus needs
   more of them than there are, they come back with a different opening or closing sentence.
 
-The mix is about 75% code (stubs 65%, programming requests 10%) and 25% general. A corpus is
-deterministic for a seed and an interpreter version (the stubs come from its stdlib).
+The default mix is about 75% code (stubs 65%, programming requests 10%) and 25% general
+(`--general-share`, `--programming-share`). A corpus is deterministic for a seed, an interpreter
+version (the stubs come from its stdlib) and the versions of the packages it draws on.
 
-    python -m speckernel.train_corpus --out corpus.jsonl.gz --count 8000 [--seed 0]
+    python -m speckernel.train_corpus --out corpus.jsonl.gz --count 8000 [--seed 0] [--package NAME ...]
 """
 
 from __future__ import annotations
@@ -27,10 +32,13 @@ import argparse
 import ast
 import functools
 import gzip
+import importlib.metadata
+import importlib.util
 import io
 import json
 import os
 import random
+import re
 import sys
 import sysconfig
 import warnings
@@ -44,6 +52,8 @@ PROGRAMMING_SHARE = 0.10  # hand-written programming requests; stubs are the res
 
 MIN_DOCSTRING = 40
 MAX_DOCSTRING = 2000  # longer docstrings are manuals, not function descriptions
+PACKAGE_MAX_DOCSTRING = 1200  # library docstrings run long; a prompt should leave room for its answer
+PER_PACKAGE = 2500  # stubs from one package at most, so a few big ones do not make up the corpus
 SKIP_DIRS = frozenset({"test", "tests", "idlelib", "tkinter", "lib2to3", "ensurepip", "site-packages",
                        "dist-packages", "turtledemo", "__pycache__"})
 
@@ -378,15 +388,18 @@ CLOSINGS = ("", "Keep it short.", "Please be thorough.", "Explain your reasoning
             "Write it in a friendly tone.", "End with a one-sentence summary.")
 
 
-def stdlib_files(root: str | None = None) -> Iterator[Path]:
-    """The stdlib's .py files in sorted order (tests and GUI/tooling packages left out), so the
+def python_files(root: str | os.PathLike[str]) -> Iterator[Path]:
+    """The .py files under root in sorted order (tests and GUI/tooling packages left out), so the
     stubs come out the same on every run."""
-    root = root or sysconfig.get_paths()["stdlib"]
     for folder, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
         for name in sorted(files):
             if name.endswith(".py") and not name.startswith("test_"):
                 yield Path(folder) / name
+
+
+def stdlib_files(root: str | None = None) -> Iterator[Path]:
+    return python_files(root or sysconfig.get_paths()["stdlib"])
 
 
 _LOGIC = (ast.BoolOp, ast.BinOp, ast.Compare, ast.IfExp, ast.ListComp, ast.SetComp, ast.DictComp,
@@ -449,19 +462,22 @@ def _candidates(tree: ast.Module) -> Iterator[ast.FunctionDef | ast.AsyncFunctio
             yield from (m for m in node.body if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef))
 
 
-def _keep(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+def _keep(node: ast.FunctionDef | ast.AsyncFunctionDef, max_docstring: int = MAX_DOCSTRING) -> bool:
     doc = _clean_docstring(node) or ""
     return (not node.name.startswith("_") and node.name.lower() not in _BLOCKED_NAMES
-            and MIN_DOCSTRING <= len(doc) <= MAX_DOCSTRING and not _body_is_trivial(node))
+            and MIN_DOCSTRING <= len(doc) <= max_docstring and not _body_is_trivial(node))
 
 
 _BLOCKED_NAMES = frozenset(name.lower() for name in HUMANEVAL_ENTRY_POINTS)
+# A definition of an entry point anywhere in a stub (docstring examples define helpers too).
+_DEFINES_BLOCKED = re.compile(
+    rf"^\s*(?:async\s+)?def\s+(?:{'|'.join(sorted(map(re.escape, HUMANEVAL_ENTRY_POINTS)))})\s*\(", re.M | re.I)
 
 
-@functools.cache
-def _all_stdlib_functions() -> tuple[str, ...]:
+def _stubs_in(files: Iterator[Path], max_docstring: int = MAX_DOCSTRING) -> tuple[str, ...]:
+    """The distinct stubs of the kept functions in files, in file order."""
     stubs: dict[str, None] = {}
-    for path in stdlib_files():
+    for path in files:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # invalid escapes and the like in old modules
@@ -469,9 +485,15 @@ def _all_stdlib_functions() -> tuple[str, ...]:
         except (SyntaxError, ValueError, OSError):
             continue
         for node in _candidates(tree):
-            if _keep(node) and (stub := render_stub(node)) is not None:
+            if _keep(node, max_docstring) and (stub := render_stub(node)) is not None \
+                    and not _DEFINES_BLOCKED.search(stub):
                 stubs.setdefault(stub, None)
     return tuple(stubs)
+
+
+@functools.cache
+def _all_stdlib_functions() -> tuple[str, ...]:
+    return _stubs_in(stdlib_files())
 
 
 def stdlib_functions(limit: int | None = None) -> list[str]:
@@ -482,13 +504,52 @@ def stdlib_functions(limit: int | None = None) -> list[str]:
     return list(stubs if limit is None else stubs[:limit])
 
 
-def corpus_mix(count: int) -> dict[str, int]:
+def package_version(package: str) -> str:
+    """The installed version of the distribution that provides an importable package."""
+    for dist in importlib.metadata.packages_distributions().get(package, [package]):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+@functools.cache
+def package_functions(package: str, limit: int = PER_PACKAGE) -> tuple[str, ...]:
+    """Stubs of an installed package's functions, chosen like the stdlib's (docstrings up to
+    PACKAGE_MAX_DOCSTRING): at most `limit`, a seeded sample spread over the whole package, in
+    file order. A package that is not installed is an error, not an empty source."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"no installed package named {package!r} (a package, not a single module)")
+    stubs = [s for root in sorted(spec.submodule_search_locations)
+             for s in _stubs_in(python_files(root), PACKAGE_MAX_DOCSTRING)]
+    stubs = list(dict.fromkeys(stubs))
+    if len(stubs) > limit:
+        keep = set(random.Random(package).sample(range(len(stubs)), limit))
+        stubs = [s for i, s in enumerate(stubs) if i in keep]
+    return tuple(stubs)
+
+
+def all_stubs(packages: Sequence[str] = (), per_package: int = PER_PACKAGE) -> list[str]:
+    """The stdlib's stubs, then each package's that are new, in the order given."""
+    stubs = dict.fromkeys(stdlib_functions())
+    for package in packages:
+        stubs.update(dict.fromkeys(package_functions(package, per_package)))
+    return list(stubs)
+
+
+def corpus_mix(count: int, general_share: float = GENERAL_SHARE,
+               programming_share: float = PROGRAMMING_SHARE, have_stubs: bool | None = None) -> dict[str, int]:
     """How many conversations of `count` come from each source."""
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
-    general = round(count * GENERAL_SHARE)
-    programming = round(count * PROGRAMMING_SHARE)
-    if not stdlib_functions():  # an interpreter shipped without stdlib sources: requests cover code
+    if not (0 <= general_share and 0 <= programming_share and general_share + programming_share <= 1):
+        raise ValueError(f"shares must be >= 0 and sum to at most 1, got general {general_share} "
+                         f"and programming {programming_share}")
+    general = round(count * general_share)
+    programming = round(count * programming_share)
+    if not (bool(stdlib_functions()) if have_stubs is None else have_stubs):  # requests cover code
         return {"stubs": 0, "programming": count - general, "general": general}
     return {"stubs": count - general - programming, "programming": programming, "general": general}
 
@@ -536,12 +597,15 @@ def _stub_prompts(stubs: Sequence[str], n: int, rng: random.Random) -> list[str]
     return out
 
 
-def build_corpus(count: int, seed: int = 0) -> list[Conversation]:
-    """`count` one-turn user chats, about 75% code and 25% general, shuffled; the same for the
-    same seed (and interpreter)."""
-    mix = corpus_mix(count)
+def build_corpus(count: int, seed: int = 0, packages: Sequence[str] = (), *,
+                 general_share: float = GENERAL_SHARE, programming_share: float = PROGRAMMING_SHARE,
+                 per_package: int = PER_PACKAGE) -> list[Conversation]:
+    """`count` one-turn user chats, shuffled, by default about 75% code and 25% general; the same
+    for the same seed (interpreter and package versions). Stubs come from the stdlib and from
+    `packages`, each used once before any comes back."""
+    stubs = all_stubs(packages, per_package)
+    mix = corpus_mix(count, general_share, programming_share, have_stubs=bool(stubs))
     rng = random.Random(seed)
-    stubs = stdlib_functions()
     prompts = (_stub_prompts(stubs, mix["stubs"], rng) if mix["stubs"] else []) + \
         _requests(PROGRAMMING_INSTRUCTIONS, mix["programming"], rng) + \
         _requests(GENERAL_INSTRUCTIONS, mix["general"], rng)
@@ -576,16 +640,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output file (.jsonl, or .jsonl.gz for gzip)")
     parser.add_argument("--count", type=int, required=True, help="number of conversations")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--package", action="append", default=[], metavar="NAME",
+                        help="also draw stubs from this installed package (repeatable)")
+    parser.add_argument("--per-package", type=int, default=PER_PACKAGE, help="stubs from one package at most")
+    parser.add_argument("--general-share", type=float, default=GENERAL_SHARE)
+    parser.add_argument("--programming-share", type=float, default=PROGRAMMING_SHARE)
     args = parser.parse_args(argv)
     if args.count < 0:
         parser.error(f"--count must be >= 0, got {args.count}")
-    conversations = build_corpus(args.count, args.seed)
+    try:
+        conversations = build_corpus(args.count, args.seed, args.package, general_share=args.general_share,
+                                     programming_share=args.programming_share, per_package=args.per_package)
+        mix = corpus_mix(args.count, args.general_share, args.programming_share)
+    except ValueError as e:
+        parser.error(str(e))
     write_corpus(args.out, conversations)
-    mix = corpus_mix(args.count)
-    available = len(stdlib_functions())
+    sources = [f"{len(stdlib_functions())} from the stdlib of Python {sys.version_info.major}.{sys.version_info.minor}"]
+    sources += [f"{len(package_functions(p, args.per_package))} from {p} {package_version(p)}" for p in args.package]
     print(f"train_corpus: wrote {len(conversations)} conversations to {args.out} (seed {args.seed}): "
-          f"{mix['stubs']} stdlib function stub prompts (from {available} distinct stubs, Python "
-          f"{sys.version_info.major}.{sys.version_info.minor}), {mix['programming']} programming and "
+          f"{mix['stubs']} function stub prompts (from {len(all_stubs(args.package, args.per_package))} "
+          f"distinct stubs: {', '.join(sources)}), {mix['programming']} programming and "
           f"{mix['general']} general hand-written requests (from {len(PROGRAMMING_INSTRUCTIONS)} and "
           f"{len(GENERAL_INSTRUCTIONS)} distinct)",
           file=sys.stderr)

@@ -8,6 +8,7 @@ than reading it back from disk.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,11 +68,18 @@ class Sequences:
 
 
 def generate(config: Any, conversations: list[list[dict[str, str]]], max_tokens: int,
-             concurrency: int = 256, temperature: float = 0.0, seed: int = 0) -> Sequences:
+             concurrency: int = 256, temperature: float = 0.0, seed: int = 0,
+             seconds: float | None = None) -> Sequences:
     """The target's answer to every conversation, through the engine (any platform): greedy, or
-    sampled at `temperature` (more varied text; the labels stay the target's greedy tokens)."""
+    sampled at `temperature` (more varied text; the labels stay the target's greedy tokens).
+    With `seconds`, conversations not started by then are left out (answers under way finish),
+    so a time-boxed run keeps what it made."""
+    import time
+
     from .async_engine import AsyncEngine
     from .sampling_params import SamplingParams
+
+    deadline = math.inf if seconds is None else time.monotonic() + seconds
 
     async def run() -> list[tuple[list[int], list[int]]]:
         pairs: list[tuple[list[int], list[int]]] = [([], []) for _ in conversations]
@@ -84,6 +92,8 @@ def generate(config: Any, conversations: list[list[dict[str, str]]], max_tokens:
                 params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                         seed=seed + i if temperature else None)
                 async with limit:
+                    if time.monotonic() > deadline:
+                        return
                     prompt = engine.encode_chat(conversations[i])
                     prompt = prompt[: max(1, engine.info.max_model_len - max_tokens - 1)]
                     answer: list[int] = []
@@ -98,7 +108,7 @@ def generate(config: Any, conversations: list[list[dict[str, str]]], max_tokens:
                         tg.start_soon(one, i)
         return pairs
 
-    return Sequences.pack(anyio.run(run))
+    return Sequences.pack([pair for pair in anyio.run(run) if pair[0]])
 
 
 class DenseCausalAttention:

@@ -40,15 +40,22 @@ def add_arguments(sub: Any) -> None:
                         "(default: OUT/../data.npz)")
     p.add_argument("--shard", default="0/1", metavar="I/N",
                    help="generate only every N-th prompt from the I-th (several GPUs, one process each)")
-    p.add_argument("--prompts", type=Path, default=None,
-                   help="JSON Lines of {\"messages\": [...]} (default: the built-in corpus)")
+    p.add_argument("--prompts", type=Path, action="append", default=None,
+                   help="JSON Lines of {\"messages\": [...]} (repeatable: concatenated; default: the built-in "
+                        "corpus)")
     p.add_argument("--num-prompts", type=int, default=6000, help="prompts drawn from the built-in corpus")
     p.add_argument("--max-tokens", type=int, default=256, help="answer length when generating data")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample the answers (more varied data; labels stay the target's greedy tokens)")
     p.add_argument("--generate-only", action="store_true", help="write the data and stop")
+    p.add_argument("--concurrency", type=int, default=256, help="answers generated at once")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="KV cache for generating data (default: sized from free memory; set it to run "
+                        "several generating processes on one GPU)")
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps in all (a resumed run continues)")
-    p.add_argument("--minutes", type=float, default=0.0, help="stop after this long and save (0: no limit)")
+    p.add_argument("--minutes", type=float, default=0.0,
+                   help="stop after this long and save (0: no limit); when generating data, prompts not "
+                        "started by then are left out")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence (longer ones are cut)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -93,21 +100,26 @@ def load_data(args: argparse.Namespace, out: Path) -> Sequences:
     from .config import EngineConfig
     from .train_corpus import build_corpus, read_corpus
 
-    conversations = read_corpus(args.prompts) if args.prompts else build_corpus(args.num_prompts, seed=args.seed)
+    conversations = [c for f in args.prompts for c in read_corpus(f)] if args.prompts \
+        else build_corpus(args.num_prompts, seed=args.seed)
     index, _, count = args.shard.partition("/")
     if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
         raise InvalidInputError(f"--shard: expected I/N with 0 <= I < N, got {args.shard!r}")
     conversations = conversations[int(index) :: int(count)]
     if not conversations:
         raise InvalidInputError("the prompt corpus is empty")
-    config = EngineConfig(model=args.target, platform=args.platform, max_num_seqs=256, max_model_len=2048,
-                          log_level="warning")
+    kv_bytes = None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30)
+    config = EngineConfig(model=args.target, platform=args.platform, max_num_seqs=args.concurrency,
+                          max_model_len=2048, kv_cache_bytes=kv_bytes, log_level="warning").validate()
     started = time.monotonic()
-    data = generate(config, conversations, args.max_tokens, temperature=args.temperature, seed=args.seed)
+    data = generate(config, conversations, args.max_tokens, concurrency=args.concurrency,
+                    temperature=args.temperature, seed=args.seed, seconds=60 * args.minutes or None)
     data.save(path)
     answered = int((np.diff(data.offsets) - data.prompt_lens).sum())
-    print(f"train-drafter: {len(data)} answers, {answered} tokens in {time.monotonic() - started:.0f} s -> {path}",
-          file=sys.stderr)
+    missing = len(conversations) - len(data)
+    left = f" ({missing} prompts left out at the time limit)" if missing else ""
+    print(f"train-drafter: {len(data)} answers, {answered} tokens in {time.monotonic() - started:.0f} s "
+          f"-> {path}{left}", file=sys.stderr)
     return data
 
 

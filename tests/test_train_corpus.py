@@ -21,6 +21,11 @@ def stubs() -> list[str]:
 
 
 @pytest.fixture(scope="module")
+def package_stubs() -> list[str]:
+    return list(tc.package_functions("jinja2"))
+
+
+@pytest.fixture(scope="module")
 def corpus() -> list[list[dict[str, str]]]:
     # 8000 is more than the stubs and the requests on hand, so repeats and variations are covered.
     return tc.build_corpus(8000, seed=0)
@@ -73,6 +78,59 @@ def test_stubs_are_humaneval_shaped(stubs: list[str]) -> None:
         assert [type(s) for s in fn.body] == [ast.Expr, ast.Pass]  # docstring only, no body
 
 
+def test_package_stubs(package_stubs: list[str], stubs: list[str]) -> None:
+    assert len(package_stubs) > 50
+    assert len(set(package_stubs)) == len(package_stubs)
+    for stub in package_stubs:
+        fn = ast.parse(stub + "    pass\n").body[0]
+        assert isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef)
+        assert not fn.name.startswith("_") and fn.name.lower() not in {e.lower() for e in tc.HUMANEVAL_ENTRY_POINTS}
+        assert tc.MIN_DOCSTRING <= len(ast.get_docstring(fn) or "") <= tc.PACKAGE_MAX_DOCSTRING
+        assert [type(s) for s in fn.body] == [ast.Expr, ast.Pass]
+    # A capped package is a spread-out sample of its stubs, in file order, the same every time.
+    capped = tc.package_functions("jinja2", limit=20)
+    assert len(capped) == 20 and capped == tc.package_functions("jinja2", limit=20)
+    positions = [package_stubs.index(s) for s in capped]
+    assert positions == sorted(positions) and positions[-1] - positions[0] > len(package_stubs) // 2
+    both = tc.all_stubs(["jinja2"])
+    assert both[: len(stubs)] == stubs and set(both) == set(stubs) | set(package_stubs)
+
+
+def test_stubs_defining_an_entry_point_are_left_out(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    example = '    Example::\n\n        def {name}(n):\n            return n\n'
+    body = '    """Checks numbers against a predicate given by the caller.\n\n{example}    """\n    return a < b\n'
+    module.write_text("".join(f"def check_{i}(a, b):\n" + body.format(example=example.format(name=name))
+                              for i, name in enumerate(["is_prime", "Is_Prime", "is_prime_number"])))
+    kept = tc._stubs_in(iter([module]))
+    assert [s.split("(", 1)[0] for s in kept] == ["def check_2"]
+
+
+def test_unknown_package_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="no installed package"):
+        tc.package_functions("no_such_package_here")
+    with pytest.raises(SystemExit) as e:
+        tc.main(["--out", str(tmp_path / "c.jsonl"), "--count", "5", "--package", "no_such_package_here"])
+    assert e.value.code == 2 and "no installed package" in capsys.readouterr().err
+    assert not (tmp_path / "c.jsonl").exists()
+
+
+@pytest.mark.parametrize("general,programming", [(-0.1, 0.1), (0.6, 0.5)])
+def test_bad_shares_are_refused(general: float, programming: float) -> None:
+    with pytest.raises(ValueError, match="shares"):
+        tc.build_corpus(10, general_share=general, programming_share=programming)
+
+
+def test_stubs_only_corpus_from_packages(package_stubs: list[str], stubs: list[str]) -> None:
+    count = len(stubs) + 40  # every stdlib stub and some of jinja2's, each once
+    contents = [m[0]["content"] for m in tc.build_corpus(count, seed=1, packages=["jinja2"], general_share=0,
+                                                          programming_share=0)]
+    blocks = [c.split(FENCE, 1)[1].split("```", 1)[0] for c in contents]
+    assert len(set(blocks)) == count  # no stub twice while others are left
+    assert set(blocks) <= set(stubs) | set(package_stubs)
+    assert set(blocks) & set(package_stubs)
+
+
 def test_deterministic_for_a_seed() -> None:
     assert tc.build_corpus(500, seed=3) == tc.build_corpus(500, seed=3)
     assert tc.build_corpus(500, seed=3) != tc.build_corpus(500, seed=4)
@@ -116,13 +174,13 @@ def test_small_corpus_uses_each_request_once() -> None:
     assert len(set(requests)) == len(requests)
 
 
-def test_no_humaneval(humaneval: list[dict[str, str]], stubs: list[str],
+def test_no_humaneval(humaneval: list[dict[str, str]], stubs: list[str], package_stubs: list[str],
                       corpus: list[list[dict[str, str]]]) -> None:
     entry_points = {p["entry_point"] for p in humaneval}
     assert entry_points == tc.HUMANEVAL_ENTRY_POINTS
     names = {ast.parse(s + "    pass\n").body[0].name for s in stubs}  # type: ignore[attr-defined]
     assert not {n.lower() for n in names} & {e.lower() for e in entry_points}
-    texts = [m[0]["content"] for m in corpus] + stubs + list(tc.INSTRUCTIONS)
+    texts = [m[0]["content"] for m in corpus] + stubs + package_stubs + list(tc.INSTRUCTIONS)
     # A definition of an entry point (not `>>> def f():` in some doctest example).
     defines = re.compile(rf"^\s*(?:async\s+)?def\s+(?:{'|'.join(map(re.escape, entry_points))})\s*\(", re.M)
     prompts = [p["prompt"].strip() for p in humaneval]
@@ -156,3 +214,7 @@ def test_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert tc.read_corpus(out) == tc.build_corpus(40, seed=5)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "40 conversations" in err[0] and "stdlib" in err[0]
+    assert tc.main(["--out", str(out), "--count", "40", "--package", "jinja2", "--general-share", "0"]) == 0
+    assert tc.read_corpus(out) == tc.build_corpus(40, packages=["jinja2"], general_share=0)
+    err = capsys.readouterr().err
+    assert f"from jinja2 {tc.package_version('jinja2')}" in err and "0 general" in err

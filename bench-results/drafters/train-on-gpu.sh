@@ -3,9 +3,10 @@
 # from the repository root.
 #
 # PHASE=train (default):
-#   1. the target answers bench-results/drafters/prompts.jsonl.gz (made by
-#      `python -m speckernel.train_corpus --out bench-results/drafters/prompts.jsonl.gz --count 6000`)
-#      through the engine, greedy, 256 tokens, one shard of the prompts per GPU;
+#   1. the target answers $PROMPTS (default: prompts.jsonl.gz and prompts-packages.jsonl.gz beside
+#      this script; README.md has the commands that made them) through the engine, greedy, 256
+#      tokens, $SHARDS_PER_GPU engines per GPU (default 1; more keep a GPU busy while each engine's
+#      host work runs), for at most $GEN_MINUTES minutes (default: no limit); PHASE=data stops here;
 #   2. every method of $METHODS trains at once (spread over the GPUs) for what is left of
 #      $BUDGET_S seconds, or $MINUTES minutes if given. Running it again continues each method
 #      from its state.pt.
@@ -31,33 +32,35 @@ budget=${BUDGET_S:-560}
 phase=${PHASE:-train}
 weights=$(python3 -c "import speckernel.speculators as s, os; print(os.path.dirname(s.__file__))")/weights
 
-if [ "$phase" = train ]; then
+shards=$((ngpu * ${SHARDS_PER_GPU:-1}))
+if [ "$phase" = train ] || [ "$phase" = data ]; then
   if [ ! -f "$work/data.done" ]; then
-    for ((g = 0; g < ngpu; g++)); do
-      CUDA_VISIBLE_DEVICES=$g timeout 400 python3 -m speckernel.cli train-drafter --method eagle3 \
-        --prompts "$here/prompts.jsonl.gz" --shard "$g/$ngpu" --data "$work/data.$g.npz" --out "$work/gen" \
-        --generate-only --platform cuda > "$work/data.$g.log" 2>&1 &
+    prompts=()
+    for f in ${PROMPTS:-$here/prompts.jsonl.gz $here/prompts-packages.jsonl.gz}; do prompts+=(--prompts "$f"); done
+    for ((s = 0; s < shards; s++)); do
+      CUDA_VISIBLE_DEVICES=$((s % ngpu)) timeout 900 python3 -m speckernel.cli train-drafter --method eagle3 \
+        "${prompts[@]}" --shard "$s/$shards" --data "$work/data.$s.npz" --out "$work/gen" --generate-only \
+        --platform cuda --minutes "${GEN_MINUTES:-0}" ${SHARDS_PER_GPU:+--kv-cache-gb 8} > "$work/data.$s.log" 2>&1 &
     done
     wait
-    tail -n 2 "$work"/data.*.log
+    tail -q -n 1 "$work"/data.*.log
     echo "data: $SECONDS s"
     ls "$work"/data.*.npz > /dev/null && touch "$work/data.done"
   fi
-  if [ -n "${SAMPLED:-}" ] && [ ! -f "$work/sampled.done" ]; then  # after the greedy data: one engine per GPU
-    for ((g = 0; g < ngpu; g++)); do
-      CUDA_VISIBLE_DEVICES=$g timeout 400 python3 -m speckernel.cli train-drafter --method eagle3 \
-        --prompts "$here/prompts.jsonl.gz" --shard "$g/$ngpu" --data "$work/sampled.$g.npz" --out "$work/gen" \
-        --generate-only --platform cuda --temperature "$SAMPLED" --seed 1 > "$work/sampled.$g.log" 2>&1 &
+  if [ -n "${SAMPLED:-}" ] && [ ! -f "$work/sampled.done" ]; then  # after the greedy data
+    for ((s = 0; s < shards; s++)); do
+      CUDA_VISIBLE_DEVICES=$((s % ngpu)) timeout 900 python3 -m speckernel.cli train-drafter --method eagle3 \
+        --prompts "$here/prompts.jsonl.gz" --shard "$s/$shards" --data "$work/sampled.$s.npz" --out "$work/gen" \
+        --generate-only --platform cuda --temperature "$SAMPLED" --seed 1 ${SHARDS_PER_GPU:+--kv-cache-gb 8} \
+        > "$work/sampled.$s.log" 2>&1 &
     done
     wait
     tail -n 1 "$work"/sampled.*.log
     ls "$work"/sampled.*.npz > /dev/null && touch "$work/sampled.done"
   fi
+  [ "$phase" = data ] && exit 0
   data=()
-  for ((g = 0; g < ngpu; g++)); do
-    data+=(--data "$work/data.$g.npz")
-    [ -f "$work/sampled.$g.npz" ] && data+=(--data "$work/sampled.$g.npz")
-  done
+  for f in "$work"/data.*.npz "$work"/sampled.*.npz; do [ -f "$f" ] && data+=(--data "$f"); done
   minutes=${MINUTES:-$(python3 -c "print(max(1.0, ($budget - $SECONDS - 50) / 60))")}
   echo "training $methods for $minutes minutes"
   g=0
