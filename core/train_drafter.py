@@ -6,6 +6,8 @@
 2. Training: the frozen target runs densely over random batches of those sequences; the
    drafter learns its greedy predictions from its hidden states (or KV rows) with the method's
    own loss (chained runs for mtp/eagle3, anchor blocks for dflash/dspark/causal_cascade).
+   Several `--method`s train at once on the same batches: the target's forward, the larger
+   part of a step, runs once for all of them, and each learns exactly what it would alone.
 3. Output: `--out` holds `config.json` + `model.safetensors` (what `--draft-model` loads), a
    resumable `state.pt` written every `--save-every` steps, `train_log.json` and `loss.png`.
    Running the same command again resumes where the last one stopped.
@@ -18,6 +20,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,9 +35,13 @@ LEARNED = ("mtp", "eagle3", "dflash", "dspark", "causal_cascade")
 def add_arguments(sub: Any) -> None:
     p = sub.add_parser("train-drafter", help="train a learned drafter (mtp, eagle3, dflash, dspark, causal_cascade)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--method", required=True, choices=LEARNED)
+    p.add_argument("--method", required=True, choices=LEARNED, action="append",
+                   help="repeatable: several methods train at once on the same batches, sharing one forward of "
+                        "the target per batch (--out and --init then hold a folder per method)")
     p.add_argument("--target", default="smollm2-135m", help="built-in name, GGUF file or safetensors folder")
-    p.add_argument("--out", type=Path, default=None, help="output folder (default: drafters/METHOD)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder (default: drafters/METHOD; with several methods, drafters/ holding one "
+                        "folder per method)")
     p.add_argument("--data", type=Path, action="append", default=None,
                    help="token data (.npz, repeatable: concatenated); generated from the prompts when missing "
                         "(default: OUT/../data.npz)")
@@ -66,7 +73,8 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--device", default=None, help="torch device for training (default: cuda if present)")
     p.add_argument("--init", type=Path, default=None, metavar="DIR",
                    help="start from this checkpoint's weights (e.g. a shipped drafter) instead of random ones; "
-                        "its architecture replaces the defaults")
+                        "its architecture replaces the defaults (with several methods: a folder holding one "
+                        "checkpoint folder per method)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a field of the drafter's default architecture (e.g. num_layers=1)")
 
@@ -133,98 +141,150 @@ def lr_at(step: int, args: argparse.Namespace, elapsed_s: float) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
 
 
+@dataclass
+class MethodRun:
+    """One method's training: its drafter, optimizer, log and folder."""
+
+    method: str
+    cls: Any
+    drafter: Any
+    optimizer: Any
+    params: list[Any]
+    out: Path
+    log: list[dict[str, float]] = field(default_factory=list)
+    step: int = 0
+
+    def save_state(self) -> None:
+        import torch
+
+        torch.save({"model": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
+                    "log": self.log}, self.out / "state.tmp")
+        (self.out / "state.tmp").replace(self.out / "state.pt")
+
+
+def method_folders(args: argparse.Namespace) -> dict[str, tuple[Path, Path | None]]:
+    """Each method's output folder and --init checkpoint: --out and --init themselves for one
+    method, a METHOD folder inside each for several."""
+    methods = list(dict.fromkeys(args.method))
+    if len(methods) == 1:
+        return {methods[0]: (args.out or Path("drafters") / methods[0], args.init)}
+    base = args.out or Path("drafters")
+    return {m: (base / m, None if args.init is None else args.init / m) for m in methods}
+
+
+def start_method(args: argparse.Namespace, method: str, out: Path, init: Path | None, target_cfg: Any,
+                 data: Sequences, device: Any) -> MethodRun:
+    """A method's drafter: new (seeded), from --init, or resumed from its folder's state.pt."""
+    import msgspec
+    import torch
+
+    from . import plugins
+    from .train_data import label_counts
+
+    cls = plugins.load("speculator", method)
+    overrides = parse_overrides(args.set)
+    if init is not None:
+        saved = msgspec.structs.asdict(cls.read_checkpoint(init, target_cfg))
+        overrides = {**{k: v for k, v in saved.items() if k not in ("method", "target")}, **overrides}
+    torch.manual_seed(args.seed)  # the same drafter whether it trains alone or beside others
+    drafter = cls.new_drafter(target_cfg, args.seq_len + 32, **overrides).to(device)
+    if init is not None:
+        from safetensors.torch import load_file
+
+        drafter.load_state_dict(load_file(str(init / "model.safetensors"), device=str(device)))
+    elif hasattr(drafter, "fit_vocab"):
+        drafter.fit_vocab(label_counts(data, target_cfg.vocab_size))
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    run = MethodRun(method, cls, drafter, optimizer, params, out)
+    if (out / "state.pt").exists():  # resume
+        state = torch.load(out / "state.pt", map_location=device, weights_only=False)
+        drafter.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        run.step, run.log = state["step"], state["log"]
+        print(f"train-drafter: resuming {method} at step {run.step}", file=sys.stderr)
+    return run
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Trains every --method on the same batches, one forward of the target per batch for all of
+    them. Returns the summary of the one method, or {"methods": {method: summary}} for several."""
     import msgspec
     import numpy as np
     import torch
     from tqdm import tqdm
 
-    from . import plugins
     from .models.builtin import resolve
     from .models.loader import load_model, read_config
-    from .train_data import TargetFeatures, batches, label_counts
+    from .train_data import TargetFeatures, batches
 
-    out = args.out or Path("drafters") / args.method
-    out.mkdir(parents=True, exist_ok=True)
-    data = load_data(args, out)
+    folders = method_folders(args)
+    for out, _ in folders.values():
+        out.mkdir(parents=True, exist_ok=True)
+    data = load_data(args, next(iter(folders.values()))[0])
     if args.generate_only:
         return {"sequences": len(data)}
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
-    dtype = torch.bfloat16 if on_gpu else torch.float32
     path = resolve(args.target)
     target_cfg = read_config(path)
-    cls = plugins.load("speculator", args.method)
-    max_len = args.seq_len + 32
-    overrides = parse_overrides(args.set)
-    if args.init is not None:
-        init = msgspec.structs.asdict(cls.read_checkpoint(args.init, target_cfg))
-        overrides = {**{k: v for k, v in init.items() if k not in ("method", "target")}, **overrides}
-    drafter = cls.new_drafter(target_cfg, max_len, **overrides).to(device)
-    cfg = drafter.config
-    target = load_model(path, dtype, device, max_len)
-    features = TargetFeatures(target, cfg.target_layers, cfg.kv_layers)
-    if args.init is not None:
-        from safetensors.torch import load_file
-
-        drafter.load_state_dict(load_file(str(args.init / "model.safetensors"), device=str(device)))
-    elif hasattr(drafter, "fit_vocab"):
-        drafter.fit_vocab(label_counts(data, target_cfg.vocab_size))
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    log: list[dict[str, float]] = []
-    step = 0
-    state_path = out / "state.pt"
-    if state_path.exists():  # resume
-        state = torch.load(state_path, map_location=device, weights_only=False)
-        drafter.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step, log = state["step"], state["log"]
-        print(f"train-drafter: resuming {args.method} at step {step}", file=sys.stderr)
-    rng = np.random.default_rng(args.seed + step)
+    runs = [start_method(args, m, out, init, target_cfg, data, device) for m, (out, init) in folders.items()]
+    target = load_model(path, torch.bfloat16 if on_gpu else torch.float32, device, args.seq_len + 32)
+    features = TargetFeatures(target, tuple(sorted({layer for r in runs for layer in r.drafter.config.target_layers})),
+                              tuple(sorted({layer for r in runs for layer in r.drafter.config.kv_layers})))
+    first = min(r.step for r in runs)
+    rng = np.random.default_rng(args.seed + first)
     stream = batches(data, args.batch_size, args.seq_len, rng, device)
-    n_params = sum(p.numel() for p in params)
     started = time.monotonic()
-
-    def save_state() -> None:
-        torch.save({"model": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "log": log},
-                   out / "state.tmp")
-        (out / "state.tmp").replace(state_path)
-
-    bar = tqdm(total=args.steps, initial=step, desc=f"training {args.method}", unit="step", file=sys.stderr,
-               disable=None)
-    drafter.train()
+    name = "+".join(r.method for r in runs)
+    bar = tqdm(total=args.steps, initial=first, desc=f"training {name}", unit="step", file=sys.stderr, disable=None)
+    for r in runs:
+        r.drafter.train()
     with bar:
-        while step < args.steps:
+        while any(r.step < args.steps for r in runs):
             if args.minutes and time.monotonic() - started > 60 * args.minutes:
                 break
             tokens, mask = next(stream)
             batch = features.batch(tokens, mask)
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, args, time.monotonic() - started)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
-                loss, metrics = drafter.loss(batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            step += 1
-            entry = {"step": step, "loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
-            log.append(entry)
-            bar.set_postfix({k: f"{v:.3f}" for k, v in entry.items() if k != "step"})
+            postfix: dict[str, str] = {}
+            for r in runs:
+                if r.step >= args.steps:
+                    continue
+                for group in r.optimizer.param_groups:
+                    group["lr"] = lr_at(r.step, args, time.monotonic() - started)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
+                    loss, metrics = r.drafter.loss(batch)
+                r.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(r.params, 1.0)
+                r.optimizer.step()
+                r.step += 1
+                entry = {"step": r.step, "loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+                r.log.append(entry)
+                if len(runs) == 1:
+                    postfix.update({k: f"{v:.3f}" for k, v in entry.items() if k != "step"})
+                else:
+                    postfix[r.method] = f"{entry['loss']:.3f}"
+                if r.step % args.save_every == 0:
+                    r.save_state()
+            bar.set_postfix(postfix)
             bar.update(1)
-            if step % args.save_every == 0:
-                save_state()
-    save_state()
-    cls.save(out, drafter)
     elapsed = time.monotonic() - started
-    summary = {"method": args.method, "steps": step, "parameters": n_params, "seconds": elapsed,
-               "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr, "sequences": len(data),
-               "config": msgspec.to_builtins(cfg), "final": log[-1] if log else {}, "device": str(device)}
-    (out / "train_log.json").write_text(json.dumps({"summary": summary, "log": log}, indent=1) + "\n")
-    plot_loss(log, out / "loss.png", args.method)
-    print(f"train-drafter: {args.method} {step} steps, {n_params / 1e6:.1f}M parameters -> {out}", file=sys.stderr)
-    return summary
+    summaries = {}
+    for r in runs:
+        r.save_state()
+        r.cls.save(r.out, r.drafter)
+        n_params = sum(p.numel() for p in r.params)
+        summary = {"method": r.method, "steps": r.step, "parameters": n_params, "seconds": elapsed,
+                   "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr, "sequences": len(data),
+                   "trained_with": [x.method for x in runs], "config": msgspec.to_builtins(r.drafter.config),
+                   "final": r.log[-1] if r.log else {}, "device": str(device)}
+        (r.out / "train_log.json").write_text(json.dumps({"summary": summary, "log": r.log}, indent=1) + "\n")
+        plot_loss(r.log, r.out / "loss.png", r.method)
+        print(f"train-drafter: {r.method} {r.step} steps, {n_params / 1e6:.1f}M parameters -> {r.out}",
+              file=sys.stderr)
+        summaries[r.method] = summary
+    return summaries[runs[0].method] if len(runs) == 1 else {"methods": summaries}
 
 
 def plot_loss(log: list[dict[str, float]], path: Path, title: str) -> None:

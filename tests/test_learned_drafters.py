@@ -91,6 +91,27 @@ def test_training_resumes_where_it_stopped(data, tmp_path) -> None:  # type: ign
     assert [e["step"] for e in log] == list(range(1, 31)) and log[:20] == first
 
 
+def test_methods_trained_together_learn_what_each_learns_alone(data, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """One target forward per batch for several methods (hidden states for one, KV rows for the
+    other): each ends with the weights and the loss curve it reaches when trained by itself."""
+    from safetensors.torch import load_file
+
+    together = tmp_path / "together"
+    summary = train(build_parser().parse_args([*train_args("eagle3", data, together, 6), "--method", "causal_cascade"]))
+    assert {m: s["steps"] for m, s in summary["methods"].items()} == {"eagle3": 6, "causal_cascade": 6}
+    for method in ("eagle3", "causal_cascade"):
+        alone = tmp_path / method
+        train(build_parser().parse_args(train_args(method, data, alone, 6)))
+        want, got = (load_file(str(d / "model.safetensors")) for d in (alone, together / method))
+        assert want.keys() == got.keys() and all(torch_equal(want[k], got[k]) for k in want), method
+        logs = [json.loads((d / "train_log.json").read_text())["log"] for d in (alone, together / method)]
+        assert logs[0] == logs[1]
+
+
+def torch_equal(a, b) -> bool:  # type: ignore[no-untyped-def]
+    return bool((a == b).all())
+
+
 def test_training_can_start_from_a_checkpoint(data, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from safetensors.torch import load_file
 

@@ -7,9 +7,9 @@
 #      this script; README.md has the commands that made them) through the engine, greedy, 256
 #      tokens, $SHARDS_PER_GPU engines per GPU (default 1; more keep a GPU busy while each engine's
 #      host work runs), for at most $GEN_MINUTES minutes (default: no limit); PHASE=data stops here;
-#   2. every method of $METHODS trains at once (spread over the GPUs) for what is left of
-#      $BUDGET_S seconds, or $MINUTES minutes if given. Running it again continues each method
-#      from its state.pt.
+#   2. every method of $METHODS trains at once for what is left of $BUDGET_S seconds, or $MINUTES
+#      minutes if given: one process per GPU trains its share of the methods on the same batches
+#      (one target forward per batch). Running it again continues each method from its state.pt.
 # PHASE=accept: the trained checkpoints become the shipped ones (loaded by name), then
 #   `bench accept` on all 164 HumanEval prompts, 256 tokens, temperature 0, every method with its
 #   K next to no speculation.
@@ -63,15 +63,24 @@ if [ "$phase" = train ] || [ "$phase" = data ]; then
   for f in "$work"/data.*.npz "$work"/sampled.*.npz; do [ -f "$f" ] && data+=(--data "$f"); done
   minutes=${MINUTES:-$(python3 -c "print(max(1.0, ($budget - $SECONDS - 50) / 60))")}
   echo "training $methods for $minutes minutes"
-  g=0
-  for m in $methods; do
-    CUDA_VISIBLE_DEVICES=$g timeout "$(python3 -c "print(int($minutes * 60 + 240))")" python3 -m speckernel.cli \
-      train-drafter --method "$m" "${data[@]}" --out "$work/$m" --minutes "$minutes" --steps "${STEPS:-100000}" \
-      --batch-size "${BATCH:-32}" --seq-len 512 ${INIT:+--init "$weights/$m"} ${TRAIN_ARGS:-} > "$work/$m.log" 2>&1 &
-    g=$(( (g + 1) % ngpu ))
+  # One process per GPU trains its share of the methods together: one target forward per batch.
+  for ((g = 0; g < ngpu; g++)); do
+    group=()
+    i=0
+    for m in $methods; do
+      [ $((i % ngpu)) -eq $g ] && group+=("$m")
+      i=$((i + 1))
+    done
+    [ ${#group[@]} -eq 0 ] && continue
+    out_dir=$work init_dir=$weights  # a folder per method inside, or the method's own for one
+    [ ${#group[@]} -eq 1 ] && out_dir=$work/${group[0]} init_dir=$weights/${group[0]}
+    CUDA_VISIBLE_DEVICES=$g timeout "$(python3 -c "print(int($minutes * 60 + 300))")" python3 -m speckernel.cli \
+      train-drafter $(printf -- '--method %s ' "${group[@]}") "${data[@]}" --out "$out_dir" --minutes "$minutes" \
+      --steps "${STEPS:-100000}" --batch-size "${BATCH:-32}" --seq-len 512 ${INIT:+--init "$init_dir"} \
+      ${TRAIN_ARGS:-} > "$work/train.$g.log" 2>&1 &
   done
   wait
-  for m in $methods; do echo "== $m"; tail -c 600 "$work/$m.log" | tr '\r' '\n' | tail -n 3; done
+  for ((g = 0; g < ngpu; g++)); do [ -f "$work/train.$g.log" ] && tail -c 800 "$work/train.$g.log" | tr '\r' '\n' | tail -n 7; done
   exit 0
 fi
 
