@@ -279,12 +279,20 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                    "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr, "sequences": len(data),
                    "trained_with": [x.method for x in runs], "config": msgspec.to_builtins(r.drafter.config),
                    "final": r.log[-1] if r.log else {}, "device": str(device)}
-        (r.out / "train_log.json").write_text(json.dumps({"summary": summary, "log": r.log}, indent=1) + "\n")
+        (r.out / "train_log.json").write_text(train_log_text(summary, r.log))
         plot_loss(r.log, r.out / "loss.png", r.method)
         print(f"train-drafter: {r.method} {r.step} steps, {n_params / 1e6:.1f}M parameters -> {r.out}",
               file=sys.stderr)
         summaries[r.method] = summary
     return summaries[runs[0].method] if len(runs) == 1 else {"methods": summaries}
+
+
+def train_log_text(summary: dict[str, Any], log: list[dict[str, float]]) -> str:
+    """train_log.json: the summary, then one line per step with its figures to 5 decimals, so the
+    log of a run of thousands of steps stays small enough to keep beside its checkpoint."""
+    steps = ",\n  ".join(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in e.items()})
+                         for e in log)
+    return f'{{"summary": {json.dumps(summary, indent=1)},\n "log": [\n  {steps}\n ]\n}}\n'
 
 
 def plot_loss(log: list[dict[str, float]], path: Path, title: str) -> None:
