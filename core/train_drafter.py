@@ -218,6 +218,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from .models.loader import load_model, read_config
     from .train_data import TargetFeatures, batches
 
+    if args.minutes < 0:
+        raise InvalidInputError(f"--minutes: expected >= 0, got {args.minutes}")
     folders = method_folders(args)
     for out, _ in folders.values():
         out.mkdir(parents=True, exist_ok=True)

@@ -165,6 +165,21 @@ def test_triton_attend_takes_a_rows_length_repeated_per_query() -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("extra,message", [(["--minutes", "-1"], "--minutes"), (["--shard", "2/2"], "--shard"),
+                                           (["--kv-cache-gb", "0"], "kv_cache_bytes"),
+                                           (["--concurrency", "0"], "max_num_seqs")])
+def test_bad_data_arguments_are_refused_before_any_work(extra, message, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from speckernel.train_corpus import write_corpus
+
+    prompts = tmp_path / "prompts.jsonl"
+    write_corpus(prompts, [[{"role": "user", "content": "Name a colour."}]])
+    args = ["train-drafter", "--method", "mtp", "--prompts", str(prompts), "--data", str(tmp_path / "d.npz"),
+            "--out", str(tmp_path / "mtp"), "--generate-only", "--platform", "cpu", *extra]
+    with pytest.raises(InvalidInputError, match=message):
+        train(build_parser().parse_args(args))
+    assert not (tmp_path / "d.npz").exists()
+
+
 @pytest.mark.slow
 def test_data_is_the_targets_answers_through_the_engine(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from speckernel.train_corpus import write_corpus
