@@ -203,14 +203,13 @@ def test_data_is_the_targets_answers_through_the_engine(tmp_path) -> None:  # ty
     again = make("again.npz", "--shard", "1/2", "--temperature", "0.8")
     assert len(sampled) == 1 and sampled.get(0)[1] == greedy.get(1)[1]  # the second prompt only
     assert sampled.get(0)[0].tolist() == again.get(0)[0].tolist()  # seeded: the same answer
-    # A small KV budget (several generators on one GPU) and one answer at a time give the same
-    # greedy answers; past a time limit, prompts not started are left out, not waited for.
-    small = make("small.npz", "--kv-cache-gb", "0.2", "--concurrency", "1")
-    assert small.tokens.tolist() == greedy.tokens.tolist()
-    assert len(make("late.npz", "--minutes", "1e-9")) == 0
+    # Corpora are concatenated; a small KV budget (several generators on one GPU) and one answer
+    # at a time give the same greedy answers; past a time limit, prompts not started are left
+    # out, not waited for.
     write_corpus(tmp_path / "more.jsonl", [[{"role": "user", "content": "Say hello in French."}]])
-    two = make("two.npz", "--prompts", str(tmp_path / "more.jsonl"))  # corpora are concatenated
-    assert len(two) == 3 and two.tokens[: two.offsets[2]].tolist() == greedy.tokens.tolist()
+    three = make("three.npz", "--prompts", str(tmp_path / "more.jsonl"), "--kv-cache-gb", "0.2", "--concurrency", "1")
+    assert len(three) == 3 and three.tokens[: three.offsets[2]].tolist() == greedy.tokens.tolist()
+    assert len(make("late.npz", "--minutes", "1e-9")) == 0
 
 
 @pytest.mark.slow
