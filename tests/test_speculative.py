@@ -100,10 +100,15 @@ def test_bad_speculator_settings_fail_at_start(overrides, message: str) -> None:
 @pytest.mark.parametrize("name", ["draft_model", "ngram"])
 def test_sampled_distribution_with_speculation_equals_the_targets(name: str, tokenizer) -> None:  # type: ignore[no-untyped-def]
     """At temperature 1 the second token (the first one decided by verification) follows the
-    target's distribution: chi-square against p(. | prompt, first token) from the model itself."""
+    target's distribution: chi-square against p(. | prompt, first token) from the model itself.
+    The draft model is the target's first 8 layers (q differs from p), so the emitted tokens go
+    through both acceptance and rejection; the whole target would draft with q = p and never be
+    rejected. Most drafts are rejected here, so this end-to-end check has little power against a
+    wrong residual; `test_verify` checks the residual's law exactly."""
     prompt = tokenizer.encode("one two three one two three one two three one two")
     n = 512
-    core = core_for(name, num_speculative_tokens=2, max_num_seqs=128)
+    options = {"num_layers": "8"} if name == "draft_model" else {}
+    core = core_for(name, num_speculative_tokens=2, max_num_seqs=128, speculator_options=options)
     for s in range(n):
         core.add_request(AddRequest(s, np.asarray(prompt), SamplingParams(
             max_tokens=3, temperature=1.0, seed=s, ignore_eos=True)))
@@ -111,7 +116,8 @@ def test_sampled_distribution_with_speculation_equals_the_targets(name: str, tok
     while core.scheduler.requests:
         for d in core.step():
             outs[d.key].extend(d.new_token_ids)
-    assert core.stats()["spec"]["num_draft_tokens"] > 0
+    spec = core.stats()["spec"]
+    assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"]
     first, _ = Counter(o[0] for o in outs.values()).most_common(1)[0]
     seconds = np.array([o[1] for o in outs.values() if o[0] == first])
     assert len(seconds) >= 150
