@@ -651,14 +651,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         conversations = build_corpus(args.count, args.seed, args.package, general_share=args.general_share,
                                      programming_share=args.programming_share, per_package=args.per_package)
-        mix = corpus_mix(args.count, args.general_share, args.programming_share)
+        stubs = all_stubs(args.package, args.per_package)
+        mix = corpus_mix(args.count, args.general_share, args.programming_share, have_stubs=bool(stubs))
     except ValueError as e:
         parser.error(str(e))
     write_corpus(args.out, conversations)
     sources = [f"{len(stdlib_functions())} from the stdlib of Python {sys.version_info.major}.{sys.version_info.minor}"]
     sources += [f"{len(package_functions(p, args.per_package))} from {p} {package_version(p)}" for p in args.package]
     print(f"train_corpus: wrote {len(conversations)} conversations to {args.out} (seed {args.seed}): "
-          f"{mix['stubs']} function stub prompts (from {len(all_stubs(args.package, args.per_package))} "
+          f"{mix['stubs']} function stub prompts (from {len(stubs)} "
           f"distinct stubs: {', '.join(sources)}), {mix['programming']} programming and "
           f"{mix['general']} general hand-written requests (from {len(PROGRAMMING_INSTRUCTIONS)} and "
           f"{len(GENERAL_INSTRUCTIONS)} distinct)",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,8 +75,6 @@ def generate(config: Any, conversations: list[list[dict[str, str]]], max_tokens:
     sampled at `temperature` (more varied text; the labels stay the target's greedy tokens).
     With `seconds`, conversations not started by then are left out (answers under way finish),
     so a time-boxed run keeps what it made."""
-    import time
-
     from .async_engine import AsyncEngine
     from .sampling_params import SamplingParams
 

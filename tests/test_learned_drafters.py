@@ -103,13 +103,9 @@ def test_methods_trained_together_learn_what_each_learns_alone(data, tmp_path) -
         alone = tmp_path / method
         train(build_parser().parse_args(train_args(method, data, alone, 6)))
         want, got = (load_file(str(d / "model.safetensors")) for d in (alone, together / method))
-        assert want.keys() == got.keys() and all(torch_equal(want[k], got[k]) for k in want), method
+        assert want.keys() == got.keys() and all((want[k] == got[k]).all() for k in want), method
         logs = [json.loads((d / "train_log.json").read_text())["log"] for d in (alone, together / method)]
         assert logs[0] == logs[1]
-
-
-def torch_equal(a, b) -> bool:  # type: ignore[no-untyped-def]
-    return bool((a == b).all())
 
 
 def test_training_can_start_from_a_checkpoint(data, tmp_path) -> None:  # type: ignore[no-untyped-def]
