@@ -63,7 +63,7 @@ class Sequences:
 
     def select(self, rows: np.ndarray) -> Sequences:
         parts = [self.get(int(i))[0] for i in rows]
-        offsets = np.concatenate([[0], np.cumsum([len(s) for s in parts], dtype=np.int64)]).astype(np.int64)
+        offsets = np.concatenate([[0], np.cumsum([len(s) for s in parts])]).astype(np.int64)
         tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
         return Sequences(tokens.astype(np.int32), offsets, self.prompt_lens[rows])
 

@@ -178,11 +178,12 @@ def evaluate(runs: list[MethodRun], features: Any, held: list[Any], device: Any)
     import torch
 
     sums: dict[str, dict[str, float]] = {r.method: {} for r in runs}
+    for r in runs:
+        r.drafter.eval()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         for i, (tokens, mask) in enumerate(held):
             batch = features.batch(tokens, mask)
             for r in runs:
-                r.drafter.eval()
                 torch.manual_seed(i)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                     loss, metrics = r.drafter.loss(batch)

@@ -130,14 +130,16 @@ class DFlashDrafter(nn.Module):
 
     # --- training -----------------------------------------------------------------------------
 
-    def train_blocks(self, batch: TrainBatch, block_lens: torch.Tensor | None = None) -> TrainBlocks:
-        """Up to NUM_ANCHORS random anchors per sequence (where the first label counts), all
-        blocks drafted at once. block_lens [B, A] (2..block_size): each block's length, the K + 1
-        of a serving step; random when not given (half of them full)."""
+    def train_blocks(self, batch: TrainBatch, block_lens: torch.Tensor | None = None,
+                     num_anchors: int = NUM_ANCHORS) -> TrainBlocks:
+        """Up to num_anchors random anchors per sequence (where the first label counts; as many as
+        the sequence has such positions takes them all), all blocks drafted at once. block_lens
+        [B, A] (2..block_size): each block's length, the K + 1 of a serving step; random when not
+        given (half of them full)."""
         tokens, labels, mask = batch.tokens, batch.labels, batch.mask
         b, t = tokens.shape
         bs, dev = self.config.block_size, tokens.device
-        n = min(NUM_ANCHORS, t)
+        n = min(num_anchors, t)
         score = torch.rand(b, t, device=dev).masked_fill(~mask, -1.0)
         anchors = score.topk(n, dim=1).indices.sort(dim=1).values  # [B, A]
         anchor_ok = mask.gather(1, anchors)

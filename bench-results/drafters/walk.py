@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -24,7 +25,6 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-import speckernel.speculators.dflash as dflash_module
 from speckernel import plugins
 from speckernel.config import EngineConfig
 from speckernel.datasets import humaneval_messages
@@ -48,12 +48,13 @@ def shipped(method: str, target_cfg) -> torch.nn.Module:  # type: ignore[no-unty
     return module.eval()
 
 
-def keep_mask(method: str, score: torch.Tensor, options: dict[str, str]) -> torch.Tensor:
-    """The speculator's own cut, from its options (the defaults where not given)."""
+def cut(method: str, options: dict[str, str]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The speculator's own `keep` (which drafts a row proposes), with these options (the
+    defaults where not given); it reads nothing of the speculator but its options."""
     cls = plugins.load("speculator", method)
     speculator = cls.__new__(cls)
     speculator.options = msgspec.convert({k: float(v) for k, v in options.items()}, cls.Options)
-    return speculator.keep(score)
+    return speculator.keep
 
 
 def main() -> None:
@@ -77,6 +78,7 @@ def main() -> None:
     drafters = {m: shipped(m, target_cfg) for m in dict.fromkeys(name for name, _, _ in specs)}
     features = TargetFeatures(target, tuple(sorted({layer for d in drafters.values()
                                                     for layer in d.config.target_layers})), ())
+    keeps = [cut(method, options) for method, _, options in specs]
     lengths: list[list[int]] = [[] for _ in specs]
     for i in range(min(args.limit, len(answers))):
         seq, prompt_len = answers.get(i)
@@ -84,18 +86,17 @@ def main() -> None:
         mask = torch.zeros_like(tokens, dtype=torch.bool)
         mask[0, max(prompt_len - 1, 0) : len(seq) - 1] = True
         batch = features.batch(tokens, mask)
-        # Every answer position is an anchor: train_blocks takes NUM_ANCHORS of the valid ones.
-        dflash_module.NUM_ANCHORS = int(mask.sum())
+        answer = int(mask.sum())  # every answer position is an anchor
         drafts: dict[str, tuple[torch.Tensor, ...]] = {}
         for method, module in drafters.items():
-            bs = module.config.block_size
-            blocks = module.train_blocks(batch, block_lens=torch.full((1, dflash_module.NUM_ANCHORS), bs))
+            full = torch.full((1, answer), module.config.block_size)
+            blocks = module.train_blocks(batch, block_lens=full, num_anchors=answer)
             anchor = tokens[0, blocks.anchors[0]]
             drafts[method] = (*module.draft(blocks.hidden[0], anchor, batch.target), blocks.labels[0],
                               blocks.valid[0], blocks.anchors[0])
-        for s, (method, k, options) in enumerate(specs):
+        for s, ((method, k, _), keep) in enumerate(zip(specs, keeps, strict=True)):
             ids, score, labels, valid, anchors = drafts[method]
-            proposed = trim(ids[:, :k], keep_mask(method, score[:, :k], options))
+            proposed = trim(ids[:, :k], keep(score[:, :k]))
             hit = ((proposed == labels[:, :k]) & valid[:, :k]).int().cumprod(dim=1).sum(dim=1).tolist()
             at = {int(a): j for j, a in enumerate(anchors.tolist())}
             a = prompt_len  # the first answer token comes from the prompt step
