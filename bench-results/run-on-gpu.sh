@@ -29,7 +29,7 @@ bench() {  # bench NAME ARGS...: one scenario into $work/NAME, its table's tail 
   shift
   case " ${PARTS:-$name} " in *" $name "*) ;; *) return ;; esac
   echo "== bench $name $*"
-  timeout "$limit" python3 -m speckernel.cli bench "$@" --out "$work/$name" > "$work/$name.log" 2>&1
+  timeout "$limit" python3 -m speckernel.tools.cli bench "$@" --out "$work/$name" > "$work/$name.log" 2>&1
   tail -n 12 "$work/$name.log"
   timings+=("$name $(( SECONDS - started ))")
   pack
@@ -38,7 +38,7 @@ started=$SECONDS
 case " ${PARTS:-checks} " in *" checks "*) {
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   echo "== generate, cuda, no speculation"
-  timeout 120 python3 -m speckernel.cli generate --raw --prompt "The three primary colors are" --max-tokens 48 \
+  timeout 120 python3 -m speckernel.tools.cli generate --raw --prompt "The three primary colors are" --max-tokens 48 \
     --temperature 0 --json --platform cuda
   echo "== GPU-side tests (Triton kernels for real, graphs vs eager, no host sync, sampling, verification)"
   timeout 420 python3 -m pytest -q tests/test_gpu_fast_path.py tests/test_step_graphs.py \

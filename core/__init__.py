@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .config import EngineConfig
-from .errors import (
+from speckernel.config import EngineConfig
+from speckernel.errors import (
     EngineDeadError,
     InvalidInputError,
     InvalidSamplingParamsError,
@@ -19,12 +19,12 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .async_engine import AsyncEngine
-    from .engine import Engine
-    from .outputs import RequestOutput
-    from .sampling_params import SamplingParams
+    from speckernel.frontend.async_engine import AsyncEngine
+    from speckernel.frontend.sync_engine import Engine
+    from speckernel.outputs import RequestOutput
+    from speckernel.sampling_params import SamplingParams
 
-_LAZY = {"AsyncEngine": ".async_engine", "Engine": ".engine", "RequestOutput": ".outputs",
+_LAZY = {"AsyncEngine": ".frontend.async_engine", "Engine": ".frontend.sync_engine", "RequestOutput": ".outputs",
          "SamplingParams": ".sampling_params"}
 """Imported on first use: the engine-core process and `speckernel --version` need none of them."""
 

@@ -6,8 +6,8 @@ from typing import Annotated
 
 import msgspec
 
-from .errors import InvalidInputError
-from .sampling_params import MAX_INT32, MAX_INT64, Seed, strict_fields
+from speckernel.errors import InvalidInputError
+from speckernel.sampling_params import MAX_INT32, MAX_INT64, Seed, strict_fields
 
 Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)]
 LogLevel = Annotated[str, msgspec.Meta(pattern="^(?i:debug|info|warning|error|critical)$")]
@@ -54,7 +54,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     supports them and Triton kernels run)."""
     adaptive_speculation: bool = False
     """Let measured step times turn drafting off (K=0 steps) for batch sizes where verifying
-    drafts costs more than it yields (`speckernel.spec_governor`)."""
+    drafts costs more than it yields (`speckernel.kernel.spec_governor`)."""
     force_host_drafts: bool = False
     """Copy draft IDs to the host after every drafting step even when the speculator's fixed
     width makes it unnecessary (benchmarks measure what avoiding the copy saves)."""

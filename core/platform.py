@@ -14,8 +14,8 @@ from typing import Protocol, runtime_checkable
 import msgspec
 import torch
 
-from .attention import AttentionBackend
-from .errors import InvalidInputError, SpeckernelError
+from speckernel.errors import InvalidInputError, SpeckernelError
+from speckernel.ops.paged_attention import AttentionBackend
 
 
 class PlatformCapabilities(msgspec.Struct, frozen=True, kw_only=True):

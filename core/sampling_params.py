@@ -15,7 +15,7 @@ import msgspec
 import msgspec.inspect
 import numpy as np
 
-from .errors import InvalidInputError, InvalidSamplingParamsError
+from speckernel.errors import InvalidInputError, InvalidSamplingParamsError
 
 MAX_INT32 = 2**31 - 1
 MAX_INT64 = 2**63 - 1

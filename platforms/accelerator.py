@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from speckernel.attention import PagedAttention, TorchPagedAttention, TritonPagedAttention
+from speckernel.ops.paged_attention import PagedAttention, TorchPagedAttention, TritonPagedAttention
 from speckernel.platform import (
     GATE_TIMEOUT_S,
     DeviceGraph,
@@ -19,8 +19,7 @@ from speckernel.platform import (
     PlatformCapabilities,
     parse_dtype,
 )
-
-from .gate import HostWaitGate
+from speckernel.platforms.gate import HostWaitGate
 
 
 class TorchAcceleratorPlatform:

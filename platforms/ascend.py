@@ -11,8 +11,7 @@ from typing import Any
 import torch
 
 from speckernel.platform import PlatformCapabilities
-
-from .accelerator import TorchAcceleratorPlatform
+from speckernel.platforms.accelerator import TorchAcceleratorPlatform
 
 
 class AscendPlatform(TorchAcceleratorPlatform):

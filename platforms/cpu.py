@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from speckernel.attention import PagedAttention, TorchPagedAttention, TritonPagedAttention
+from speckernel.ops.paged_attention import PagedAttention, TorchPagedAttention, TritonPagedAttention
 from speckernel.platform import (
     GATE_TIMEOUT_S,
     DeviceGraph,
@@ -16,8 +16,7 @@ from speckernel.platform import (
     PlatformCapabilities,
     parse_dtype,
 )
-
-from .gate import HostWaitGate
+from speckernel.platforms.gate import HostWaitGate
 
 
 class CpuPlatform:

@@ -14,9 +14,8 @@ from typing import Any
 import torch
 
 from speckernel.platform import GATE_TIMEOUT_S, HostGate, PlatformCapabilities
-
-from .accelerator import TorchAcceleratorPlatform
-from .gate import HostWaitGate
+from speckernel.platforms.accelerator import TorchAcceleratorPlatform
+from speckernel.platforms.gate import HostWaitGate
 
 
 class CudaPlatform(TorchAcceleratorPlatform):

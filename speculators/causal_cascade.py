@@ -31,8 +31,7 @@ from speckernel.plugin import (
     TargetStates,
     TrainBatch,
 )
-
-from .learned import (
+from speckernel.speculators.learned import (
     MLP,
     DrafterConfig,
     LearnedSpeculator,

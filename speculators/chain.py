@@ -37,8 +37,7 @@ from speckernel.plugin import (
     TargetStates,
     TrainBatch,
 )
-
-from .learned import Attend, DrafterConfig, LearnedSpeculator, Rope, cache_slots, masked_attention
+from speckernel.speculators.learned import Attend, DrafterConfig, LearnedSpeculator, Rope, cache_slots, masked_attention
 
 STEP_DECAY = 0.8
 """Loss weight of chain run j is STEP_DECAY ** (j - 1): later drafts matter only if earlier ones hold."""

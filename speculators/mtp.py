@@ -13,9 +13,8 @@ import torch
 from torch import nn
 
 from speckernel.plugin import ModelConfig, TargetModel
-
-from .chain import ChainModule, ChainSpeculator
-from .learned import Attend, DecoderBlock, DrafterConfig, Norm, TargetShape
+from speckernel.speculators.chain import ChainModule, ChainSpeculator
+from speckernel.speculators.learned import Attend, DecoderBlock, DrafterConfig, Norm, TargetShape
 
 
 class SharedHead(nn.Module):

@@ -60,7 +60,7 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(model_path: Path):  # type: ignore[no-untyped-def]
-    from speckernel.tokenizer import Tokenizer
+    from speckernel.models.tokenizer import Tokenizer
 
     return Tokenizer.load(model_path)
 
@@ -79,14 +79,14 @@ def hf_model(model_path: Path):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def core():  # type: ignore[no-untyped-def]
     from speckernel.config import EngineConfig
-    from speckernel.engine_core import EngineCore
+    from speckernel.engine.core import EngineCore
 
     return EngineCore(EngineConfig(platform="cpu", max_model_len=1024))
 
 
 def run_to_completion(core, prompts: list[list[int]], params, prefix: str = "r") -> list[list[int]]:  # type: ignore[no-untyped-def]
     """Adds every prompt to an in-process core and steps it until all finish; outputs in order."""
-    from speckernel.messages import AddRequest
+    from speckernel.wire.messages import AddRequest
 
     base = next(_KEYS) * 10_000  # keys are unique per request for the core's lifetime
     outputs: dict[int, list[int]] = {}

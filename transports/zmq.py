@@ -12,8 +12,8 @@ import msgspec
 import numpy as np
 import zmq
 
-from speckernel.codec import Decoder, Encoder
 from speckernel.transport import HiddenStates, TokenFrame, TransportCapabilities, TransportMessage
+from speckernel.wire.codec import Decoder, Encoder
 
 
 class ZmqTransport:

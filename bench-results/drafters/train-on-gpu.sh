@@ -39,7 +39,7 @@ if [ "$phase" = train ] || [ "$phase" = data ]; then
   for f in ${PROMPTS:-$here/prompts.jsonl.gz $here/prompts-packages.jsonl.gz}; do prompts+=(--prompts "$f"); done
   if [ ! -f "$work/data.done" ]; then
     for ((s = 0; s < shards; s++)); do
-      CUDA_VISIBLE_DEVICES=$((s % ngpu)) timeout 900 python3 -m speckernel.cli train-drafter --method eagle3 \
+      CUDA_VISIBLE_DEVICES=$((s % ngpu)) timeout 900 python3 -m speckernel.tools.cli train-drafter --method eagle3 \
         "${prompts[@]}" --shard "$s/$shards" --data "$work/data.$s.npz" --out "$work/gen" --generate-only \
         --platform cuda --minutes "${GEN_MINUTES:-0}" ${SHARDS_PER_GPU:+--kv-cache-gb 8} > "$work/data.$s.log" 2>&1 &
     done
@@ -53,7 +53,7 @@ if [ "$phase" = train ] || [ "$phase" = data ]; then
     n=$((n + 1))
     [ -f "$work/sampled$n.done" ] && continue
     for ((s = 0; s < shards; s++)); do
-      CUDA_VISIBLE_DEVICES=$((s % ngpu)) timeout 900 python3 -m speckernel.cli train-drafter --method eagle3 \
+      CUDA_VISIBLE_DEVICES=$((s % ngpu)) timeout 900 python3 -m speckernel.tools.cli train-drafter --method eagle3 \
         "${prompts[@]}" --shard "$s/$shards" --data "$work/sampled$n.$s.npz" --out "$work/gen" \
         --generate-only --platform cuda --temperature "$temperature" --seed "$n" --minutes "${GEN_MINUTES:-0}" \
         ${SHARDS_PER_GPU:+--kv-cache-gb 8} > "$work/sampled$n.$s.log" 2>&1 &
@@ -79,7 +79,7 @@ if [ "$phase" = train ] || [ "$phase" = data ]; then
     [ ${#group[@]} -eq 0 ] && continue
     out_dir=$work init_dir=$weights  # a folder per method inside, or the method's own for one
     [ ${#group[@]} -eq 1 ] && out_dir=$work/${group[0]} init_dir=$weights/${group[0]}
-    CUDA_VISIBLE_DEVICES=$g timeout "$(python3 -c "print(int($minutes * 60 + 300))")" python3 -m speckernel.cli \
+    CUDA_VISIBLE_DEVICES=$g timeout "$(python3 -c "print(int($minutes * 60 + 300))")" python3 -m speckernel.tools.cli \
       train-drafter $(printf -- '--method %s ' "${group[@]}") "${data[@]}" --out "$out_dir" --minutes "$minutes" \
       --steps "${STEPS:-100000}" --batch-size "${BATCH:-32}" --seq-len 512 ${INIT:+--init "$init_dir"} \
       ${TRAIN_ARGS:-} > "$work/train.$g.log" 2>&1 &
@@ -100,10 +100,10 @@ for spec in ${SPECS:-eagle3:5 mtp:3 dflash:7 dspark:7 causal_cascade:7 ngram:4 d
 done
 if [ "$phase" = accept ]; then
   # Acceptance on all 164 prompts, all in flight at once (acceptance does not depend on the batch).
-  timeout "${BENCH_TIMEOUT:-400}" python3 -m speckernel.cli bench accept --platform cuda --dtype bfloat16 \
+  timeout "${BENCH_TIMEOUT:-400}" python3 -m speckernel.tools.cli bench accept --platform cuda --dtype bfloat16 \
     --max-tokens 256 "${specs[@]}" --out "$out/accept" 2>&1 | tail -n 14
 else
   # Tokens/s at batch 1 on 10 prompts, every method next to no speculation and the HF peers.
-  timeout "${BENCH_TIMEOUT:-520}" python3 -m speckernel.cli bench decode --platform cuda --dtype bfloat16 \
+  timeout "${BENCH_TIMEOUT:-520}" python3 -m speckernel.tools.cli bench decode --platform cuda --dtype bfloat16 \
     --max-tokens 256 --num-prompts 10 --concurrency 1 "${specs[@]}" --out "$out/decode" 2>&1 | tail -n 16
 fi

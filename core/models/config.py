@@ -64,7 +64,7 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
     archs = cfg.get("architectures") or []
     model_type = cfg.get("model_type", "llama")
     if model_type not in SUPPORTED_ARCHITECTURES:
-        from ..errors import UnknownModelError
+        from speckernel.errors import UnknownModelError
 
         raise UnknownModelError(
             f"model_type {model_type!r} ({archs}) is not a supported Llama-family architecture; "

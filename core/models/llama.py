@@ -2,9 +2,9 @@
 
 Weights use fused projections (qkv, gate_up) so a layer is few kernels. Attention itself (the
 cache write and the paged read) is the job of the backend that made the step's metadata
-(`speckernel.attention`): the model does not know which one runs.
+(`speckernel.ops.paged_attention`): the model does not know which one runs.
 
-`LlamaModel.use_triton_ops(True)` switches the layers to fused kernels (`speckernel.fused_ops`):
+`LlamaModel.use_triton_ops(True)` switches the layers to fused kernels (`speckernel.ops.fused_ops`):
 add+RMSNorm with the residual stream carried between layers (vLLM-style), q+k rope in one
 launch, and silu*up. Off by default, so the CPU path is the plain torch code.
 """
@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import fused_ops
-from ..attention import AttentionMetadata
-from .config import ModelConfig
-from .rope import cos_sin_table
+from speckernel.models.config import ModelConfig
+from speckernel.ops import fused_ops
+from speckernel.ops.paged_attention import AttentionMetadata
+from speckernel.ops.rope import cos_sin_table
 
 
 class RMSNorm(nn.Module):
@@ -110,7 +110,7 @@ class LlamaModel(nn.Module):
         self.triton_ops = False
 
     def use_triton_ops(self, enabled: bool = True) -> LlamaModel:
-        """Run the layers on the fused kernels of `speckernel.fused_ops` (Triton on CUDA, their
+        """Run the layers on the fused kernels of `speckernel.ops.fused_ops` (Triton on CUDA, their
         torch paths elsewhere). Same outputs to rounding; off by default."""
         self.triton_ops = enabled
         return self

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..errors import InvalidInputError, UnknownModelError
-from .config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling, from_hf_config
+from speckernel.errors import InvalidInputError, UnknownModelError
+from speckernel.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling, from_hf_config
 
 if TYPE_CHECKING:  # torch loads only where weights do: the frontend finds a converted model without it
     import torch
 
-    from .llama import LlamaModel
+    from speckernel.models.llama import LlamaModel
 
 GGUF_PIECES = {
     "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
@@ -222,7 +222,7 @@ class DamagedCheckpointError(InvalidInputError):
 def converted_folder(path: Path) -> Path:
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{CONVERTED_VERSION}".encode())
-    from .builtin import cache_dir
+    from speckernel.models.builtin import cache_dir
 
     return cache_dir() / "converted" / f"{path.stem}-{key.hexdigest()[:16]}"
 
@@ -269,7 +269,7 @@ def read_gguf(path: Path) -> Any:
 
 
 def damaged(path: Path, error: BaseException) -> DamagedCheckpointError:
-    from .builtin import builtin_source
+    from speckernel.models.builtin import builtin_source
 
     model = builtin_source(path)
     what = (f"delete it and run again to fetch {model.name} anew" if model is not None
@@ -281,7 +281,7 @@ def write_conversion(path: Path, out: Path) -> None:
     """The GGUF file's weights, config and tokenizer, written into the folder `out`."""
     from safetensors.torch import save_file
 
-    from ..tokenizer import Tokenizer
+    from speckernel.models.tokenizer import Tokenizer
 
     reader = read_gguf(path)
     cfg = gguf_config(reader)
@@ -297,7 +297,7 @@ def write_conversion(path: Path, out: Path) -> None:
 def convert(path: Path, folder: Path) -> None:
     """write_conversion into a temporary folder, then the manifest, then one rename: a folder
     under the final name is always complete, and an interrupted one leaves nothing behind."""
-    from .builtin import TEMP_PREFIX, remove_stale_temps, sigterm_raises
+    from speckernel.models.builtin import TEMP_PREFIX, remove_stale_temps, sigterm_raises
 
     remove_stale_temps(folder.parent)
     with sigterm_raises(), tempfile.TemporaryDirectory(prefix=TEMP_PREFIX, dir=folder.parent) as tmp:
@@ -331,7 +331,7 @@ def prune_conversions(path: Path, keep: Path) -> None:
 
 def read_config(path: Path) -> ModelConfig:
     if checkpoint_format(path) == "random":
-        from .synthetic import random_config
+        from speckernel.models.synthetic import random_config
 
         return random_config(path)
     if checkpoint_format(path) == "gguf":
@@ -373,12 +373,12 @@ def skip_init() -> Iterator[None]:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_len: int) -> LlamaModel:
-    from .llama import LlamaModel
-    from .rope import cos_sin_table
+    from speckernel.models.llama import LlamaModel
+    from speckernel.ops.rope import cos_sin_table
 
     cfg = read_config(path)
     if checkpoint_format(path) == "random":
-        from .synthetic import random_model
+        from speckernel.models.synthetic import random_model
 
         return random_model(cfg, dtype, device, max_len)
     state = load_state(path)

@@ -16,10 +16,10 @@ from pathlib import Path
 import msgspec
 import torch
 
-from ..errors import UnknownModelError
-from .config import ModelConfig
-from .llama import LlamaModel
-from .rope import cos_sin_table
+from speckernel.errors import UnknownModelError
+from speckernel.models.config import ModelConfig
+from speckernel.models.llama import LlamaModel
+from speckernel.ops.rope import cos_sin_table
 
 PREFIX = "random:"
 PRESETS = {

@@ -9,8 +9,8 @@ from pathlib import Path
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from ..tokenizer import Tokenizer
-from .synthetic import random_config
+from speckernel.models.synthetic import random_config
+from speckernel.models.tokenizer import Tokenizer
 
 
 def synthetic_tokenizer(name: str | Path) -> Tokenizer:

@@ -1,0 +1,1 @@
+"""The engine core: the step loop that joins kernel and runner, and the process that hosts it."""

@@ -1,0 +1,360 @@
+"""The engine core: owns the model, the scheduler and the ledger, and runs the step loop.
+
+The loop is plain anyio: messages from the frontend land in a deque while a step runs on a
+worker thread (torch releases the GIL), then the result goes through the ledger and the
+deltas go out. The same object serves in-process embedding and its own process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import numpy as np
+import torch
+
+from speckernel import log, registry
+from speckernel.config import EngineConfig
+from speckernel.engine.check import parse_options
+from speckernel.errors import InvalidInputError, PromptTooLongError
+from speckernel.kernel.block_manager import BlockManager
+from speckernel.kernel.frame import StepFrame, StepResult
+from speckernel.kernel.ledger import Ledger
+from speckernel.kernel.request import Request
+from speckernel.kernel.scheduler import Scheduler, SpecPolicy
+from speckernel.kernel.spec_governor import SpecGovernor
+from speckernel.models.builtin import resolve
+from speckernel.models.config import ModelConfig
+from speckernel.models.loader import load_model, read_config
+from speckernel.models.paged import kv_bytes_per_block
+from speckernel.platform import parse_dtype
+from speckernel.plugin import SpeculatorCapabilities, SpeculatorContext
+from speckernel.runner.model_runner import ModelRunner, PendingStep
+from speckernel.wire.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreMessage,
+    CoreOutputs,
+    CoreReady,
+    FrontendMessage,
+    Malformed,
+    RequestDelta,
+    Shutdown,
+    UtilityCall,
+    UtilityResult,
+    check_wire,
+)
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config = config.validate()
+        self.log = log.get("engine_core")
+        self.platform = registry.pick_platform(config.platform)
+        self.dtype = parse_dtype(config.dtype) if config.dtype else self.platform.default_dtype()
+        path = resolve(config.model)
+        model_cfg = read_config(path)
+        max_len = min(config.max_model_len or min(model_cfg.max_position, DEFAULT_MAX_MODEL_LEN),
+                      model_cfg.max_position)
+        # The speculator is checked before any weight is read: bad names, options and
+        # capabilities this target or platform cannot serve fail here, before any request.
+        spec_cls, ctx, caps = self._check_speculator(model_cfg, path, max_len)
+        k = config.num_speculative_tokens if spec_cls is not None else 0
+        draft_bytes = spec_cls.draft_kv_bytes_per_token(ctx) if spec_cls is not None else 0
+        per_block = kv_bytes_per_block(model_cfg, config.block_size, self.dtype) + draft_bytes * config.block_size
+        num_blocks = config.num_kv_blocks or max(1, (config.kv_cache_bytes or self.platform.kv_budget_bytes())
+                                                 // per_block)
+        lookahead = caps.lookahead_slots(k) if caps is not None else 0
+        # One request must always fit alone, or preemption could never make progress.
+        held = num_blocks * config.block_size - lookahead
+        self.max_model_len = min(max_len, held)
+        if held < max_len:  # a cache the user sized, or a context they asked for, fails; a default warns
+            need = -(-(max_len + lookahead) // config.block_size)
+            why = (f"a KV cache of {num_blocks} blocks holds {held} tokens per request, below max_model_len "
+                   f"{max_len}; give it {need} blocks ({need * per_block} bytes) or lower max_model_len")
+            if held < 2 or config.kv_cache_bytes or config.num_kv_blocks or config.max_model_len:
+                raise InvalidInputError(why)
+            self.log.warning("kv_cache_shrinks_context", max_model_len=max_len, context=held, reason=why)
+        self.model_cfg = model_cfg
+        model = load_model(path, self.dtype, self.platform.device, self.max_model_len + lookahead)
+        self.speculator = None
+        if spec_cls is not None and ctx is not None:
+            draft_kv = None
+            if draft_bytes:
+                draft_kv = torch.zeros(num_blocks * config.block_size * draft_bytes, dtype=torch.uint8,
+                                       device=self.platform.device)
+            ctx = dataclasses.replace(
+                ctx, max_model_len=self.max_model_len, num_kv_blocks=num_blocks, draft_kv=draft_kv,
+                attention=self.platform.attention_backend(config.block_size, config.max_num_batched_tokens),
+                num_slots=config.max_num_seqs + 1, fused_kernels=self.platform.capabilities.triton)
+            self.speculator = spec_cls(ctx)
+        max_blocks = -(-(self.max_model_len + lookahead + k + 1) // config.block_size)
+        attention = self.platform.attention_backend(config.block_size, config.max_num_batched_tokens,
+                                                    max_rows=config.max_num_seqs + 1, max_blocks=max_blocks)
+        # Where the plan lives on the device, a step verifies K slots whatever the drafts (graphs
+        # pad to K anyway): variable-width drafts are padded with -1 there instead of copied to
+        # the host, and a device-only speculator's requests run ahead of their accepted counts.
+        device_planned = getattr(attention, "device_planned", False)
+        variable_width = caps is not None and caps.draft_width == "variable" and not device_planned
+        run_ahead = (caps is not None and caps.device_only and device_planned and config.async_scheduling
+                     and not variable_width)
+        self.runner = ModelRunner(model, self.platform.device, num_blocks, config.block_size, attention,
+                                  num_slots=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  speculator=self.speculator, max_k=k, use_triton=self.platform.capabilities.triton,
+                                  force_host_drafts=config.force_host_drafts,
+                                  max_num_tokens=config.max_num_batched_tokens, run_ahead=run_ahead)
+        if self.platform.capabilities.triton:
+            model.use_triton_ops(True)
+        if (self.platform.capabilities.supports_graphs and not config.enforce_eager
+                and getattr(attention, "supports_padding", False)):
+            from speckernel.runner.step_graphs import StepGraphs, prefill_buckets
+
+            graphs = StepGraphs(self.runner, self.platform, config.max_num_seqs, (0, k),
+                                draft_ks=(0, k) if caps is not None and caps.device_only else (0,),
+                                prefill_tokens=prefill_buckets(min(config.max_num_batched_tokens, self.max_model_len)))
+            try:
+                graphs.capture()
+                self.runner.graphs = graphs
+            except Exception:  # the engine still serves, eagerly; stats show no graph steps
+                self.log.exception("graph_capture_failed")
+        policy = None if spec_cls is None else SpecPolicy(
+            num_speculative_tokens=k, lookahead_slots=lookahead,
+            variable_width=variable_width, skip_drafts=config.skip_drafts, run_ahead=run_ahead)
+        self.scheduler = Scheduler(BlockManager(num_blocks, config.block_size),
+                                   config.max_num_seqs, config.max_num_batched_tokens, policy,
+                                   async_scheduling=config.async_scheduling)
+        self.ledger = Ledger(self.scheduler)
+        self.governor = SpecGovernor() if config.adaptive_speculation and spec_cls is not None else None
+        if self.governor is not None:
+            self.scheduler.draft_gate = self.governor.allow
+        self.seeds = np.random.default_rng(config.seed)
+        self.inbox: deque[FrontendMessage | Malformed] = deque()
+        self.wakeup: anyio.Event | None = None  # made inside the loop that runs the core
+        self.running = True
+        self.num_steps = 0
+        self.num_prompt_tokens = 0
+        self.started = time.monotonic()
+        self.log.info("engine_core_ready", platform=self.platform.name, dtype=str(self.dtype),
+                      num_kv_blocks=num_blocks, max_model_len=self.max_model_len, model=str(path))
+
+    def _check_speculator(self, model_cfg: ModelConfig, path: Path, max_len: int
+                          ) -> tuple[Any, SpeculatorContext | None, SpeculatorCapabilities | None]:
+        name = self.config.speculator
+        if name is None:
+            return None, None, None
+        cls = registry.load("speculator", name)
+        k = self.config.num_speculative_tokens
+        if k > cls.capabilities.max_k:
+            raise InvalidInputError(f"speculator {name!r} drafts at most {cls.capabilities.max_k} tokens; got K={k}")
+        ctx = SpeculatorContext(
+            target=model_cfg, target_path=path, device=self.platform.device, dtype=self.dtype,
+            block_size=self.config.block_size, max_model_len=max_len, num_speculative_tokens=k,
+            options=parse_options(name, cls.Options, dict(self.config.speculator_options)),
+            draft_model=self.config.draft_model)
+        cls.check(ctx)
+        for_target = getattr(cls, "capabilities_for", None)
+        caps: SpeculatorCapabilities = for_target(ctx) if for_target is not None else cls.capabilities
+        bad_layers = [layer for layer in caps.target_hidden_layers if not 0 <= layer < model_cfg.num_layers]
+        if bad_layers:
+            raise InvalidInputError(f"speculator {name!r} needs hidden states of layers {bad_layers}; "
+                                    f"the target has {model_cfg.num_layers}")
+        if caps.placement != "local_last_stage":
+            raise InvalidInputError(f"speculator {name!r} needs remote placement, which this runner cannot serve yet")
+        return cls, ctx, caps
+
+    def ready_message(self) -> CoreReady:
+        return CoreReady(platform=self.platform.name, dtype=str(self.dtype).removeprefix("torch."),
+                         max_model_len=self.max_model_len,
+                         num_kv_blocks=self.scheduler.blocks.num_blocks,
+                         block_size=self.scheduler.blocks.block_size,
+                         vocab_size=self.model_cfg.vocab_size)
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def add_request(self, msg: AddRequest) -> RequestDelta | None:
+        """Admits a request, or returns its error delta: bad input never reaches the scheduler."""
+        if isinstance(msg.prompt_token_ids, list | tuple):  # an in-process caller's list, checked as on the wire
+            ids = np.asarray(msg.prompt_token_ids)
+            msg = msgspec.structs.replace(msg, prompt_token_ids=ids if ids.size else ids.astype(np.int64))
+        try:
+            try:
+                check_wire(msg)
+            except ValueError as e:
+                raise InvalidInputError(str(e)) from None
+            prompt = msg.prompt_token_ids.tolist()
+            if not prompt:
+                raise InvalidInputError("prompt is empty")
+            if len(prompt) >= self.max_model_len:
+                raise PromptTooLongError(
+                    f"prompt has {len(prompt)} tokens; the context holds {self.max_model_len} "
+                    "(prompt plus at least one generated token)")
+            if any(not 0 <= t < self.model_cfg.vocab_size for t in prompt):
+                raise InvalidInputError(f"prompt token ids must lie in [0, {self.model_cfg.vocab_size})")
+            params = msg.params.validate(self.model_cfg.vocab_size)
+            if msg.key in self.scheduler.requests:
+                raise InvalidInputError(f"request key {msg.key} is already running")
+        except InvalidInputError as e:
+            return RequestDelta(msg.key, [], "error", f"{type(e).__name__}: {e}")
+        seed = params.seed if params.seed is not None else int(self.seeds.integers(2**62))
+        self.scheduler.add(Request(msg.key, prompt, params, seed, self.model_cfg.eos_token_ids,
+                                   self.max_model_len))
+        self.num_prompt_tokens += len(prompt)
+        return None
+
+    def abort(self, keys: list[int]) -> None:
+        for key in keys:
+            req = self.scheduler.requests.get(key)
+            if req is not None:
+                self.scheduler.finish(req, "abort")
+
+    def stats(self) -> dict[str, Any]:
+        blocks = self.scheduler.blocks
+        return {
+            "num_steps": self.num_steps,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generated_tokens": self.ledger.num_generated_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_stale_rows": self.ledger.num_stale_rows,
+            "num_async_rows": self.ledger.num_async_rows,
+            "num_graph_steps": self.runner.graphs.num_replays if self.runner.graphs is not None else 0,
+            "kv_blocks_total": blocks.num_blocks,
+            "kv_blocks_free": blocks.num_free,
+            "uptime_s": time.monotonic() - self.started,
+            "spec": self.ledger.spec.summary() | {
+                "speculator": self.config.speculator,
+                "num_speculative_tokens": self.scheduler.spec.num_speculative_tokens if self.scheduler.spec else 0,
+                "num_k0_steps": self.ledger.num_k0_steps,
+                "num_host_draft_copies": self.ledger.num_host_draft_copies,
+                "num_governor_vetoes": self.governor.num_vetoed if self.governor is not None else 0,
+            },
+        }
+
+    # --- stepping ---------------------------------------------------------------------------
+
+    def execute(self, frame: StepFrame) -> StepResult:
+        return self.runner.execute(frame)  # a failing row fails its own request only
+
+    def step(self) -> list[RequestDelta]:
+        """One synchronous step (tests and the sync path of the loop share it)."""
+        frame = self.scheduler.schedule()
+        if frame is None:
+            return []
+        self.ledger.submit(frame)
+        started = time.perf_counter()
+        return self._apply(self.execute(frame), frame, started)
+
+    def _apply(self, result: StepResult, frame: StepFrame | None = None, started: float = 0.0) -> list[RequestDelta]:
+        """Applies a step's result; with its frame and launch time, the governor learns from it."""
+        self.num_steps += 1
+        before = self.ledger.num_generated_tokens
+        deltas = self.ledger.apply(result)
+        if self.governor is not None and frame is not None and all(
+                r.sampling is not None and r.num_tokens == 1 + r.num_drafts for r in frame.rows):
+            # Decode and verification steps only: a prefill chunk's cost says nothing about drafts.
+            self.governor.record(len(frame.rows), any(r.num_drafts for r in frame.rows),
+                                 self.ledger.num_generated_tokens - before, time.perf_counter() - started)
+        return deltas
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def deliver(self, msg: FrontendMessage | Malformed) -> None:
+        self.inbox.append(msg)
+        if self.wakeup is not None:
+            self.wakeup.set()
+
+    def _handle_inbox(self) -> tuple[list[RequestDelta], list[UtilityResult]]:
+        """Total: a message that fails to apply is logged with its traceback and answered with an
+        error where it has a key or call id; it never ends the loop."""
+        errors: list[RequestDelta] = []
+        results: list[UtilityResult] = []
+        while self.inbox:
+            msg = self.inbox.popleft()
+            try:
+                self._handle(msg, errors, results)
+            except Exception as e:
+                self.log.exception("message_failed", message=type(msg).__name__)
+                self._refuse(type(msg).__name__, getattr(msg, "key", getattr(msg, "call_id", None)),
+                             f"{type(e).__name__}: {e}", errors, results)
+        return errors, results
+
+    def _handle(self, msg: FrontendMessage | Malformed, errors: list[RequestDelta],
+                results: list[UtilityResult]) -> None:
+        match msg:
+            case AddRequest():
+                delta = self.add_request(msg)
+                if delta is not None:
+                    errors.append(delta)
+            case AbortRequests(keys=ids):
+                self.abort(ids)
+            case UtilityCall(call_id=cid, method=method):
+                if method == "stats":
+                    results.append(UtilityResult(cid, self.stats()))
+                else:
+                    results.append(UtilityResult(cid, error=f"unknown utility method {method!r}"))
+            case Shutdown():
+                self.running = False
+            case Malformed(kind=kind, ident=ident, error=error):
+                self._refuse(kind, ident, f"malformed {kind or 'message'} frame: {error}", errors, results)
+
+    def _refuse(self, kind: str, ident: int | None, error: str, errors: list[RequestDelta],
+                results: list[UtilityResult]) -> None:
+        """Fails the request or call a bad message names, so its caller does not wait for ever."""
+        if ident is None:
+            return
+        if kind == "AddRequest" and ident not in self.scheduler.requests:
+            errors.append(RequestDelta(ident, [], "error", f"InvalidInputError: {error}"))
+        elif kind == "UtilityCall":
+            results.append(UtilityResult(ident, error=error))
+
+    async def run(self, emit: Callable[[CoreMessage], Awaitable[None]]) -> None:
+        """Steps until a Shutdown message arrives; `emit` sends a message to the frontend.
+
+        One runner thread executes frames in order. With async scheduling the next frame is
+        scheduled and queued while the current one runs; results are applied in step order."""
+        self.wakeup = anyio.Event()
+        # Run ahead only when requests can: a speculative request without run-ahead waits for its
+        # frame, and a second frame would then hold only the rest of the batch, halving every step.
+        spec = self.scheduler.spec
+        depth = 2 if self.scheduler.async_scheduling and (spec is None or spec.run_ahead) else 1
+        in_flight: deque[tuple[StepFrame, float, Future[PendingStep]]] = deque()
+        runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speckernel-runner")
+        try:
+            while self.running:
+                errors, results = self._handle_inbox()
+                for r in results:
+                    await emit(r)
+                if errors:
+                    await emit(CoreOutputs(errors))
+                if not self.running:
+                    break
+                while len(in_flight) < depth and (frame := self.scheduler.schedule()) is not None:
+                    self.ledger.submit(frame)
+                    in_flight.append((frame, time.perf_counter(), runner.submit(self.runner.launch, frame)))
+                if not in_flight:
+                    if not self.inbox:
+                        await self.wakeup.wait()
+                    self.wakeup = anyio.Event()
+                    continue
+                frame, started, launched = in_flight.popleft()
+                result = await anyio.to_thread.run_sync(_finish, launched)
+                deltas = self._apply(result, frame, started)
+                if deltas:
+                    await emit(CoreOutputs(deltas))
+        finally:
+            runner.shutdown(wait=True, cancel_futures=True)
+
+
+def _finish(launched: Future[PendingStep]) -> StepResult:
+    """Waits for the runner thread to launch the step, then for the device to run it."""
+    return launched.result().result()

@@ -1,0 +1,228 @@
+"""Continuous batching with chunked prefill, draft slots and preemption by recompute.
+
+One `schedule()` reads top to bottom: running requests first (decode with its drafts, or the
+next chunk of a prefill), then waiting requests while the token budget and `max_num_seqs`
+allow. An admitted request takes a slot (its row of the device token buffer) until it
+finishes or is preempted. When blocks run out, the most recently admitted running request is
+preempted: its blocks and slot are freed, its generation renewed, and it recomputes from its
+prompt plus the output it already has.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+
+import msgspec
+
+from speckernel.kernel.block_manager import BlockManager
+from speckernel.kernel.frame import RowSampling, ScheduledRow, StepFrame
+from speckernel.kernel.request import Request, Status
+
+
+class SpecPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    """What the scheduler needs to know of the speculator: derived from its capabilities."""
+
+    num_speculative_tokens: int
+    lookahead_slots: int
+    variable_width: bool
+    """Draft IDs must reach the host (variable width, where the device does not pad them)."""
+    skip_drafts: bool = True
+    """Allow K=0 steps (off: `--no-skip-drafts`, for comparison)."""
+    run_ahead: bool = False
+    """Schedule a speculative request's next step while its current one is in flight, as if
+    every draft is accepted (the device moves the row back by what was rejected)."""
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 spec: SpecPolicy | None = None, async_scheduling: bool = False) -> None:
+        self.blocks = block_manager
+        self.async_scheduling = async_scheduling
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.spec = spec
+        self.requests: dict[int, Request] = {}
+        self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.next_step_id = 0
+        self.num_preemptions = 0
+        # Generations come from one counter, so (req_id, generation) is never reused, even
+        # when a caller reuses a request id after the first request finished.
+        self.generations = itertools.count(1)
+        self.draft_gate: Callable[[int], bool] | None = None
+        """Asked, for a step of that many rows, whether it may draft (the speculation governor)."""
+
+    def add(self, req: Request) -> None:
+        req.generation = next(self.generations)
+        self.requests[req.key] = req
+        self.waiting.append(req)
+
+    def _can_overlap(self, req: Request) -> bool:
+        """Async scheduling: a decoding request whose one frame in flight samples its next input
+        is scheduled again at once, with that input as a placeholder. A speculative request does
+        so only with run-ahead (drafts that stay on the device): its next step is planned as if
+        every draft in flight is accepted."""
+        if not (self.async_scheduling and req.in_flight == 1 and req.num_placeholders == 1
+                and self.may_continue(req)):
+            return False
+        if self.spec is None:
+            return req.num_computed_tokens == req.num_tokens
+        # Planned as if every draft in flight is accepted: it must fit that case too, or its
+        # positions could run past the request's blocks.
+        return (self.spec.run_ahead and not req.params.structured_output
+                and req.num_computed_tokens == req.num_tokens + req.num_unverified
+                and self.may_continue(req, every_draft_accepted=True))
+
+    def schedule(self) -> StepFrame | None:
+        budget = self.max_num_batched_tokens
+        rows: list[ScheduledRow] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if req.in_flight and not self._can_overlap(req):  # its next input is not known yet
+                i += 1
+                continue
+            if req.in_flight:
+                slots = self._run_ahead_drafts(req, budget)
+                if not self.blocks.ensure(req, self._slots_needed(req, 1 + slots)):
+                    i += 1  # no room to run ahead: it waits for its frame like in sync mode
+                    continue
+                rows.append(self._row(req, 0, [], slots, placeholder_inputs=1, shifted=self.spec is not None))
+                budget -= rows[-1].num_tokens
+                i += 1
+                continue
+            n_known, drafts, slots = self._plan(req, budget)
+            while not self.blocks.ensure(req, self._slots_needed(req, n_known + len(drafts) + slots)):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                break
+            rows.append(self._row(req, n_known, drafts, slots))
+            budget -= rows[-1].num_tokens
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n_known, _, _ = self._plan(req, budget)
+            if not self.blocks.ensure(req, self._slots_needed(req, n_known)):
+                break
+            self.waiting.popleft()
+            req.slot = self.free_slots.pop()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            rows.append(self._row(req, n_known, [], 0))
+            budget -= n_known
+        if not rows:
+            return None
+        frame = StepFrame(
+            step_id=self.next_step_id,
+            rows=rows,
+            skip_drafts=self._skip_drafts(rows),
+            host_drafts=self.spec is not None and (
+                self.spec.variable_width or any(self.requests[r.key].params.structured_output for r in rows)),
+            num_speculative_tokens=self.spec.num_speculative_tokens if self.spec is not None else 0,
+        )
+        self.next_step_id += 1
+        if self.spec is not None and self.spec.run_ahead and not frame.skip_drafts and not frame.host_drafts:
+            # The drafts this frame proposes stay on the device: a run-ahead successor counts on them.
+            for row in rows:
+                if row.sampling is not None:
+                    self.requests[row.key].num_draft_slots = frame.num_speculative_tokens
+        return frame
+
+    def _run_ahead_drafts(self, req: Request, budget: int) -> int:
+        """Draft slots a run-ahead row verifies: those its frame in flight proposes, within what
+        the request may still emit if that frame accepts all its drafts."""
+        emitted = len(req.output_token_ids) + req.num_placeholders + req.num_unverified
+        room = min(budget - 1, req.params.max_tokens - emitted - 1,
+                   req.max_total_tokens - req.num_tokens - req.num_placeholders - req.num_unverified - 1)
+        return max(0, min(req.num_draft_slots, room))
+
+    def _plan(self, req: Request, budget: int) -> tuple[int, list[int], int]:
+        """(known tokens, host drafts, device draft slots) to schedule for req within budget."""
+        n_known = min(req.num_tokens - req.num_computed_tokens, budget)
+        if req.num_computed_tokens + n_known < req.num_tokens:
+            return n_known, [], 0
+        # Drafts past what the request may still emit could never count: don't verify them.
+        room = min(budget - n_known, req.params.max_tokens - len(req.output_token_ids) - 1,
+                   req.max_total_tokens - req.num_tokens - 1)
+        room = max(room, 0)
+        return n_known, req.draft_token_ids[:room], min(req.num_draft_slots, room)
+
+    def _slots_needed(self, req: Request, n: int) -> int:
+        lookahead = self.spec.lookahead_slots if self.spec is not None else 0
+        return min(req.num_computed_tokens + n + lookahead, req.max_total_tokens + lookahead)
+
+    def _row(self, req: Request, n: int, drafts: list[int], slots: int,
+             placeholder_inputs: int = 0, shifted: bool = False) -> ScheduledRow:
+        start = req.num_computed_tokens
+        reads_device = placeholder_inputs > 0 or slots > 0 or bool(drafts)  # host drafts too sit in the buffer
+        prev_step = req.last_scheduled_step if reads_device else -1
+        req.last_scheduled_step = self.next_step_id
+        req.num_computed_tokens += n + placeholder_inputs + len(drafts) + slots
+        req.in_flight += 1
+        req.draft_token_ids, req.num_draft_slots = [], 0
+        p = req.params
+        final = start + n + placeholder_inputs == req.num_tokens + req.num_placeholders + req.num_unverified
+        sampling = None
+        if final:
+            sampling = RowSampling(p.temperature, p.top_k, p.top_p, req.seed,
+                                   len(req.output_token_ids) + req.num_placeholders + req.num_unverified)
+            req.num_placeholders += 1
+            req.num_unverified += len(drafts) + slots
+        return ScheduledRow(req.key, req.generation, req.slot, start, req.token_ids(start, start + n),
+                            list(req.block_ids), sampling, drafts, slots, placeholder_inputs, prev_step, shifted)
+
+    def _skip_drafts(self, rows: list[ScheduledRow]) -> bool:
+        """K=0 when no row can verify drafts proposed after this step: rows that sample nothing
+        (non-final prefill chunks) and rows sure to finish with the token this step emits."""
+        if self.spec is None or not self.spec.skip_drafts:
+            return False
+        if not any(row.sampling is not None and self.may_continue(self.requests[row.key]) for row in rows):
+            return True
+        return self.draft_gate is not None and not self.draft_gate(len(rows))
+
+    @staticmethod
+    def may_continue(req: Request, every_draft_accepted: bool = False) -> bool:
+        """False when req will surely stop after its next emitted token (even with no draft
+        accepted; or, with every_draft_accepted, when the drafts in flight all count)."""
+        pending = req.num_placeholders + (req.num_unverified if every_draft_accepted else 0)
+        return (len(req.output_token_ids) + pending < req.params.max_tokens
+                and req.num_tokens + pending < req.max_total_tokens)
+
+    def _release_slot(self, req: Request) -> None:
+        if req.slot >= 0:
+            self.free_slots.append(req.slot)
+            req.slot = -1
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.free(req)
+        self._release_slot(req)
+        req.num_computed_tokens = 0
+        req.in_flight = req.num_placeholders = req.num_unverified = 0
+        req.generation = next(self.generations)
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        req.draft_token_ids, req.num_draft_slots = [], 0
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Aborted or done: blocks back to the free list, generation renewed, forgotten."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        self.blocks.free(req)
+        self._release_slot(req)
+        req.generation = next(self.generations)
+        req.in_flight = req.num_placeholders = req.num_unverified = 0
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.draft_token_ids, req.num_draft_slots = [], 0
+        self.requests.pop(req.key, None)

@@ -1,0 +1,195 @@
+"""Tokenizer (`tokenizers`) and chat template (Jinja2), built from a GGUF file or a model folder."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from speckernel.errors import InvalidInputError, UnknownModelError
+
+GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """Mirror of the pre-tokenizers llama.cpp names in `tokenizer.ggml.pre`."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("llama-bpe", "llama3", "qwen2", "smaug-bpe"):
+        split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")
+        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return byte_level
+
+
+class ChatTurn(msgspec.Struct):
+    """What the chat template reads of a message (other keys pass through to it untouched)."""
+
+    role: Annotated[str, msgspec.Meta(min_length=1)]
+    content: str
+
+
+def check_messages(messages: object) -> None:
+    """InvalidInputError naming the first message field a template could not render (a None or
+    list content would render as 'None' or fail deep inside Jinja)."""
+    if not isinstance(messages, list | tuple):
+        raise InvalidInputError(f"messages: expected a list of {{'role': str, 'content': str}}, got {messages!r}")
+    try:
+        msgspec.convert(messages, list[ChatTurn], strict=True)
+    except msgspec.ValidationError as e:
+        message, _, where = str(e).partition(" - at `$")
+        raise InvalidInputError(f"messages{where.rstrip('`')}: {message[:1].lower()}{message[1:]}") from None
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tok: HFTokenizer,
+        chat_template: str | None,
+        bos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
+        add_bos: bool,
+    ) -> None:
+        self.tok = tok
+        self.chat_template = chat_template
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+        self.add_bos = add_bos
+        self._template = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def token(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self.tok.id_to_token(token_id) or "")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Raw prompts get the model's BOS; chat-templated text carries its own specials."""
+        ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if (add_special_tokens and self.add_bos and self.bos_token_id is not None
+                and (not ids or ids[0] != self.bos_token_id)):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        check_messages(messages)
+        if not self.chat_template:
+            # Without a template the conversation is joined plainly, so raw base models still work.
+            return "\n".join(m["content"] for m in messages)
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+            def raise_exception(message: str) -> None:
+                raise TemplateError(message)
+
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.token(self.bos_token_id),
+                eos_token=self.token(self.eos_token_ids[0] if self.eos_token_ids else None),
+            )
+        except TemplateError as e:
+            raise InvalidInputError(f"chat template rejected the conversation: {e}") from e
+
+    # --- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_reader(cls, reader: Any, path: Path) -> Tokenizer:
+        from speckernel.models.loader import gguf_field
+
+        kind = gguf_field(reader, "tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise UnknownModelError(
+                f"{path}: GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' is); "
+                "use the safetensors folder with its tokenizer.json instead"
+            )
+        tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
+        types: list[int] = gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+        merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", [])]
+        tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+        tok.pre_tokenizer = byte_level_pre_tokenizer(gguf_field(reader, "tokenizer.ggml.pre", "gpt2"))
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types, strict=True) if ty == GGUF_CONTROL])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types, strict=True) if ty == GGUF_USER_DEFINED])
+        eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+        eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
+        return cls(
+            tok,
+            gguf_field(reader, "tokenizer.chat_template"),
+            gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+            tuple(dict.fromkeys(t for t in (eos, eot) if t is not None)),
+            bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        )
+
+    def save(self, folder: Path) -> None:
+        """Writes tokenizer.json and the HF-style configs that `from_folder` reads back."""
+        self.tok.save(str(folder / "tokenizer.json"))
+        cfg = {"chat_template": self.chat_template, "add_bos_token": self.add_bos,
+               "bos_token": self.tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None}
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": list(self.eos_token_ids)}))
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> Tokenizer:
+        if not (folder / "tokenizer.json").exists():
+            raise UnknownModelError(f"{folder}: no tokenizer.json")
+        tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        cfg = _read_json(folder / "tokenizer_config.json")
+        template = cfg.get("chat_template")
+        if template is None and (folder / "chat_template.jinja").exists():
+            template = (folder / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        model_cfg = _read_json(folder / "config.json")
+        gen_cfg = _read_json(folder / "generation_config.json")
+
+        def token_id(key: str) -> int | None:
+            value = cfg.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            return tok.token_to_id(value) if isinstance(value, str) else None
+
+        eos = gen_cfg.get("eos_token_id", model_cfg.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        if not eos_ids and token_id("eos_token") is not None:
+            eos_ids = (token_id("eos_token"),)  # type: ignore[assignment]
+        bos = token_id("bos_token")
+        return cls(tok, template, model_cfg.get("bos_token_id") if bos is None else bos, eos_ids,
+                   bool(cfg.get("add_bos_token", False)))
+
+    @classmethod
+    def load(cls, path: Path) -> Tokenizer:
+        if str(path).startswith("random:"):  # a random-weight model: token N spelled <N>
+            from speckernel.models.synthetic_tokenizer import synthetic_tokenizer
+
+            return synthetic_tokenizer(path)
+        if path.suffix == ".gguf":
+            from speckernel.models.loader import converted
+
+            path = converted(path)
+        return cls.from_folder(path)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}

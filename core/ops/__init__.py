@@ -1,0 +1,1 @@
+"""Device operations: the paged attention backends, Triton kernels, fused ops and rotary embeddings."""

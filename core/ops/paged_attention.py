@@ -1,0 +1,372 @@
+"""The attention-backend seam: how a model's attention writes and reads the paged KV cache.
+
+A backend turns a step's chunks into metadata once per step (`prepare`) and runs attention
+for every layer from it (`forward`). The metadata carries the backend that made it, so the
+model calls `meta.backend.forward(...)` and never knows which backend runs; the platform
+picks the backend (`Platform.attention_backend`).
+
+Cache layout, shared by every backend: one layer's cache is [2, slots, kv_heads, head_dim]
+(K then V), and position p of a sequence with block table `block_ids` lives in slot
+block_ids[p // block_size] * block_size + p % block_size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+Chunk = tuple[int, int, Sequence[int]]
+"""(start_pos, num_new_tokens, block_ids) of one sequence in a step."""
+
+ALIGN = 2
+"""int64 elements per 16 bytes: where each view of the plan buffer starts."""
+
+SHORT_QUERY = 16
+"""Rows with at most this many new tokens (decode, verify) are batched in one padded group."""
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended together, padded to a common query and context length."""
+
+    q_index: torch.Tensor
+    """[R, Q] index into the step's tokens of each (padded) query."""
+    k_slots: torch.Tensor
+    """[R, L] flat cache slots of each sequence's context (padded)."""
+    mask: torch.Tensor
+    """[R, Q, L] True where a query may attend a context slot."""
+    valid: torch.Tensor
+    """[R, Q] True for real (not padding) queries."""
+    out_index: torch.Tensor
+    """[T_group] step token index of each real query, in `valid` order."""
+    valid_flat: torch.Tensor
+    """[T_group] flat index into [R * Q] of each real query: an integer gather, where a boolean
+    mask index would make the host wait for the device in every layer."""
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's attention plan, made by `backend.prepare` and valid until its next call.
+
+    Every tensor is a view of the backend's one persistent device buffer, at offsets that
+    depend only on the padded sizes: a device graph captured on one step's metadata reads the
+    next step's numbers of the same sizes."""
+
+    positions: torch.Tensor
+    """[T] position of each new token (0 for padding tokens)."""
+    slot_mapping: torch.Tensor
+    """[T] flat cache slot where each new token's K/V is written; -1 for padding tokens."""
+    token_rows: torch.Tensor
+    """[T] row of each token (padding tokens: the last row)."""
+    query_start: torch.Tensor
+    """[R + 1] offset of each row's first token; a padding row has none."""
+    seq_lens: torch.Tensor
+    """[R] context length of each row after this step (0 for padding rows)."""
+    block_tables: torch.Tensor
+    """[R, max_blocks] block ids of each row (0 past its table)."""
+    max_query_len: int
+    """Upper bound of any row's new tokens (sizes kernel grids)."""
+    backend: AttentionBackend
+    """The backend that made this metadata and runs attention from it."""
+    row_extra: torch.Tensor | None = None
+    """[R, E] int64 numbers the caller rode along on the same copy (the runner's per-row plan)."""
+    tail: torch.Tensor | None = None
+    """[N] int64 numbers the caller rode along after everything else (host-known tokens)."""
+    groups: list[AttentionGroup] = field(default_factory=list)
+    """TorchPagedAttention's plan: decode-like rows share one padded group; each long prefill
+    chunk is a group of its own, so attention costs what the sequences need, not (all
+    queries) x (all contexts)."""
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    def prepare(self, chunks: Sequence[Chunk], *, num_tokens: int = 0, num_rows: int = 0,
+                row_extra: np.ndarray | None = None, tail: np.ndarray | None = None,
+                max_query_len: int = 0) -> AttentionMetadata:
+        """chunks: (start_pos, num_new_tokens, block_ids) per sequence, in batch order;
+        num_tokens / num_rows / max_query_len pad the step to those sizes (device graphs);
+        row_extra [rows, E] and tail [N] ride along on the same host-to-device copy."""
+        ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, heads, head_dim] and k, v [T, kv_heads, head_dim], already roped; kv is one
+        layer's cache. Writes k, v into meta.slot_mapping, then attends; returns [T, heads, head_dim]."""
+        ...
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """k, v [N, kv_heads, head_dim] into one layer's cache at slot_mapping [N]; slots < 0 are
+        skipped. Reads only device tensors (a drafter's pass inside a captured step)."""
+        ...
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Each query q[n] [N, heads, head_dim] attends to the first seq_lens[n] positions of the
+        sequence with block table block_tables[n] [N, max_blocks]: a drafter's queries (one per
+        row, or one per block position with the table repeated), planned on the device only."""
+        ...
+
+
+def cache_slots(table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def _group(rows: list[tuple[int, int, int, np.ndarray]], block_size: int, device: torch.device) -> AttentionGroup:
+    """rows: (offset of the first new token in the step, start_pos, num_new, block table)."""
+    q_len = max(n for _, _, n, _ in rows)
+    ctx_len = max(start + n for _, start, n, _ in rows)
+    r = len(rows)
+    q_index = np.zeros((r, q_len), np.int64)
+    k_slots = np.zeros((r, ctx_len), np.int64)
+    mask = np.zeros((r, q_len, ctx_len), bool)
+    valid = np.zeros((r, q_len), bool)
+    ctx = np.arange(ctx_len)
+    for i, (offset, start, n, table) in enumerate(rows):
+        end = start + n
+        q_index[i, :n] = offset + np.arange(n)
+        q_index[i, n:] = offset + n - 1
+        k_slots[i, :end] = cache_slots(table, ctx[:end], block_size)
+        q_pos = np.minimum(start + np.arange(q_len), end - 1)  # padding queries copy the last one
+        mask[i] = ctx[None, :] <= q_pos[:, None]
+        valid[i, :n] = True
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
+    return AttentionGroup(q_index=dev(q_index), k_slots=dev(k_slots), mask=dev(mask), valid=dev(valid),
+                          out_index=dev(q_index[valid]), valid_flat=dev(np.flatnonzero(valid)))
+
+
+class PagedAttention:
+    """What every paged backend shares: the step's plan in one persistent device buffer.
+
+    A step costs one host-to-device copy, with no device allocation: the host packs positions,
+    slots, token rows, query offsets, context lengths, block tables and the caller's extras in
+    one staging array. The next `prepare` overwrites them: prepare() and forward() of
+    consecutive steps must be issued in order on one stream (one thread on the CPU), where a
+    step's metadata is consumed before the next is written. A second model (a drafter) takes a
+    backend of its own, so its prepare() never clobbers the target's metadata mid-step.
+
+    With `pin_host`, each step stages its numbers in one of a ring of pinned host buffers and
+    copies without blocking. The host prepares step N+1 while step N (and its copy) may still
+    wait in the stream, so a staging buffer is rewritten only after the event recorded behind
+    its last copy has passed: with STAGING_RING buffers and at most two steps in flight, that
+    wait is over before it starts.
+
+    `max_blocks` fixes the width of the block tables (so offsets depend only on the padded
+    token and row counts, as device graphs need); 0 sizes them to each step's longest table.
+    """
+
+    supports_padding = True
+    """Padding tokens (slot -1) are skipped by forward()."""
+    device_planned = True
+    """forward() reads nothing but the plan buffer, so the runner may move a row's positions,
+    cache slots and context length on the device (run-ahead) after prepare()."""
+    STAGING_RING = 4
+
+    def __init__(self, block_size: int, max_tokens: int, device: torch.device, pin_host: bool = False,
+                 max_rows: int = 1, max_blocks: int = 0) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.pin_host = pin_host
+        self.max_blocks = max_blocks
+        self.buffer = torch.empty(0, dtype=torch.int64, device=device)
+        """The latest step's plan; grows (doubling) for a bigger one."""
+        self.reserve(max(1, max_tokens), max(1, max_rows), 0, 0)
+        self._ring: list[tuple[torch.Tensor, torch.Event | None]] = []
+        self._turn = 0
+
+    def _staging(self, total: int) -> torch.Tensor:
+        """A host array for `total` numbers that no pending copy still reads."""
+        if not self.pin_host:
+            return torch.empty(total, dtype=torch.int64)
+        self._turn = (self._turn + 1) % self.STAGING_RING
+        while len(self._ring) <= self._turn:
+            self._ring.append((torch.empty(0, dtype=torch.int64), None))
+        buffer, event = self._ring[self._turn]
+        if event is not None:
+            event.synchronize()
+        if buffer.numel() < total:
+            buffer = torch.empty(max(total, self.capacity), dtype=torch.int64, pin_memory=True)
+            self._ring[self._turn] = (buffer, None)
+        return buffer[:total]
+
+    def _copied(self) -> None:
+        """Records, behind the copy just issued, when this turn's staging is free again."""
+        if self.pin_host:
+            event = torch.Event(self.device)
+            event.record()
+            self._ring[self._turn] = (self._ring[self._turn][0], event)
+
+    @property
+    def capacity(self) -> int:
+        """Elements a step's plan may take before the buffer grows."""
+        return self.buffer.numel()
+
+    def reserve(self, num_tokens: int, num_rows: int, row_fields: int, tail: int) -> None:
+        """Grows the buffer now to fit any step up to these sizes, so it never moves later
+        (device graphs read it where it was when they were captured)."""
+        width = max(1, self.max_blocks)
+        need = 3 * num_tokens + (num_rows + 1) + num_rows * (1 + row_fields + width) + tail + ALIGN * 8
+        if need > self.capacity:
+            self.buffer = torch.empty(need, dtype=torch.int64, device=self.device)
+
+    def prepare(self, chunks: Sequence[Chunk], *, num_tokens: int = 0, num_rows: int = 0,
+                row_extra: np.ndarray | None = None, tail: np.ndarray | None = None,
+                max_query_len: int = 0) -> AttentionMetadata:
+        lens = np.fromiter((n for _, n, _ in chunks), np.int64, len(chunks))
+        starts = np.fromiter((s for s, _, _ in chunks), np.int64, len(chunks))
+        real_t, real_r = int(lens.sum()), len(chunks)
+        t, r = max(num_tokens, real_t), max(num_rows, real_r)
+        if (t > real_t or r > real_r) and not self.supports_padding:
+            raise ValueError(f"{type(self).__name__} cannot pad a step")
+        width = self.max_blocks or max((len(b) for _, _, b in chunks), default=1) or 1
+        e = 0 if row_extra is None else row_extra.shape[1]
+        n_tail = 0 if tail is None else len(tail)
+        sizes = [t, t, t, r + 1, r, r * e, r * width, n_tail]
+        # Every view starts 16-byte aligned: Triton compiles a kernel variant per pointer
+        # alignment, and offsets that moved with the token count would compile new ones mid-serving.
+        offsets = np.concatenate([[0], np.cumsum([-(-n // ALIGN) * ALIGN for n in sizes])])
+        total = int(offsets[-1])
+        staging = self._staging(total)
+        host = staging.numpy()
+        positions, slots, token_rows, query_start, seq_lens, extra, tables, tail_view = (
+            host[offsets[i] : offsets[i] + sizes[i]] for i in range(len(sizes)))
+        query_start[0] = 0
+        np.cumsum(lens, out=query_start[1 : real_r + 1])
+        query_start[real_r + 1 :] = real_t
+        rows_of = np.repeat(np.arange(real_r), lens)
+        positions[:real_t] = np.arange(real_t) - query_start[rows_of] + starts[rows_of]
+        positions[real_t:] = 0
+        token_rows[:real_t] = rows_of
+        token_rows[real_t:] = r - 1
+        seq_lens[:real_r] = starts + lens
+        seq_lens[real_r:] = 0
+        table2d = tables.reshape(r, width)
+        table2d[:] = 0
+        for i, (_, _, block_ids) in enumerate(chunks):
+            table2d[i, : len(block_ids)] = block_ids
+        slots[:real_t] = (table2d[rows_of, positions[:real_t] // self.block_size] * self.block_size
+                          + positions[:real_t] % self.block_size)
+        slots[real_t:] = -1
+        if row_extra is not None:
+            extra.reshape(r, e)[:] = 0
+            extra.reshape(r, e)[: len(row_extra)] = row_extra
+        if tail is not None:
+            tail_view[:] = tail
+        if total > self.capacity:
+            self.buffer = torch.empty(max(total, 2 * self.capacity), dtype=torch.int64, device=self.device)
+        on_device = self.buffer[:total]
+        on_device.copy_(staging, non_blocking=self.pin_host)
+        self._copied()
+        views = [on_device[offsets[i] : offsets[i] + sizes[i]] for i in range(len(sizes))]
+        meta = AttentionMetadata(
+            positions=views[0], slot_mapping=views[1], token_rows=views[2], query_start=views[3],
+            seq_lens=views[4], block_tables=views[6].view(r, width),
+            max_query_len=max(int(lens.max(initial=0)), max_query_len),
+            backend=self, row_extra=views[5].view(r, e) if row_extra is not None else None,
+            tail=views[7] if tail is not None else None)
+        self.plan(meta, chunks, starts, lens, table2d)
+        return meta
+
+    def plan(self, meta: AttentionMetadata, chunks: Sequence[Chunk], starts: np.ndarray, lens: np.ndarray,
+             tables: np.ndarray) -> None:
+        """Backend-specific host planning on top of the shared buffer (none by default)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        # A boolean index waits for the device: fine where steps are planned on the host anyway
+        # (the Triton backend skips negative slots inside its kernel).
+        keep = slot_mapping >= 0
+        kv[0][slot_mapping[keep]] = k[keep].to(kv.dtype)
+        kv[1][slot_mapping[keep]] = v[keep].to(kv.dtype)
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        _n, width = block_tables.shape
+        ctx = torch.arange(width * self.block_size, device=q.device)
+        slots = block_tables[:, ctx // self.block_size] * self.block_size + ctx % self.block_size
+        mask = ctx[None, :] < seq_lens[:, None]
+        attended = F.scaled_dot_product_attention(
+            q[:, :, None], kv[0][slots].transpose(1, 2), kv[1][slots].transpose(1, 2),
+            attn_mask=mask[:, None, None], scale=scale, enable_gqa=True)
+        return attended[:, :, 0]
+
+
+class TorchPagedAttention(PagedAttention):
+    """Grouped SDPA over each sequence's gathered context slots: runs wherever torch runs.
+
+    Its groups are planned on the host (index and mask tensors per group), so it takes no
+    padding: device graphs run on a backend whose kernels read the block tables themselves."""
+
+    supports_padding = False
+    device_planned = False
+
+    def plan(self, meta: AttentionMetadata, chunks: Sequence[Chunk], starts: np.ndarray, lens: np.ndarray,
+             tables: np.ndarray) -> None:
+        short, long = [], []
+        offset = 0
+        for i, (start, n, block_ids) in enumerate(chunks):
+            row = (offset, start, n, tables[i, : len(block_ids)])
+            (short if n <= SHORT_QUERY else long).append(row)
+            offset += n
+        groups = [_group(short, self.block_size, self.device)] if short else []
+        groups += [_group([row], self.block_size, self.device) for row in long]
+        meta.groups = groups
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        k_cache, v_cache = kv[0], kv[1]
+        k_cache[meta.slot_mapping] = k
+        v_cache[meta.slot_mapping] = v
+        out = torch.empty_like(q)
+        for g in meta.groups:
+            attended = F.scaled_dot_product_attention(
+                q[g.q_index].transpose(1, 2),
+                k_cache[g.k_slots].transpose(1, 2),
+                v_cache[g.k_slots].transpose(1, 2),
+                attn_mask=g.mask[:, None],
+                scale=scale,
+                enable_gqa=True,
+            )
+            r, nh, q_len, hd = attended.shape
+            out[g.out_index] = attended.transpose(1, 2).reshape(r * q_len, nh, hd)[g.valid_flat]
+        return out
+
+
+class TritonPagedAttention(PagedAttention):
+    """The project's Triton kernels: the cache write and a paged attention that reads only each
+    row's live KV through its block table, for decode, verification and prefill chunks alike.
+    Nothing is planned on the host beyond the shared buffer, so steps pad freely and a device
+    graph captured on one step replays for the next."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        from speckernel.ops.triton_attention import paged_attention, write_kv
+
+        write_kv(k, v, kv, meta.slot_mapping)
+        return paged_attention(q, kv, meta.block_tables, meta.seq_lens, meta.query_start, meta.max_query_len,
+                               scale, self.block_size)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        from speckernel.ops.triton_attention import write_kv
+
+        write_kv(k, v, kv, slot_mapping.contiguous())
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        from speckernel.ops.triton_attention import paged_attention
+
+        # The kernels index lengths and slots as dense arrays: a caller's expanded view (one row's
+        # length repeated per query is a stride-0 view when there is one row) must be copied.
+        query_start = torch.arange(q.shape[0] + 1, device=q.device)
+        return paged_attention(q.contiguous(), kv, block_tables.contiguous(), seq_lens.contiguous(), query_start, 1,
+                               scale, self.block_size)

@@ -1,0 +1,65 @@
+"""Entry-point registry: the only way the kernel reaches a concrete plugin."""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+import msgspec
+
+from speckernel.errors import PlatformUnavailableError, UnknownPluginError
+
+GROUPS = {
+    "speculator": "speckernel.speculators",
+    "platform": "speckernel.platforms",
+    "transport": "speckernel.transports",
+}
+
+
+@cache
+def discover(kind: str) -> dict[str, EntryPoint]:
+    return {ep.name: ep for ep in entry_points(group=GROUPS[kind])}
+
+
+def load(kind: str, name: str) -> Any:
+    found = discover(kind)
+    if name not in found:
+        raise UnknownPluginError(kind, name, list(found))
+    return found[name].load()
+
+
+def pick_platform(name: str | None = None) -> Any:
+    """Instantiates the named platform, or the highest-priority available one."""
+    if name is not None:
+        cls = load("platform", name)
+        if not cls.is_available():
+            raise PlatformUnavailableError(f"platform {name!r} is installed but not available here")
+        return cls()
+    candidates = [ep.load() for ep in discover("platform").values()]
+    available = [c for c in candidates if c.is_available()]
+    if not available:
+        raise PlatformUnavailableError("no available platform found")
+    return max(available, key=lambda c: c.capabilities.priority)()
+
+
+def describe() -> dict[str, dict[str, Any]]:
+    """Every discovered plugin with its declared capabilities, for `speckernel plugins`."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind, group in GROUPS.items():
+        section: dict[str, Any] = {}
+        for name, ep in sorted(discover(kind).items()):
+            try:
+                cls = ep.load()
+                entry = {"entry_point": ep.value, **msgspec.to_builtins(cls.capabilities)}
+                options = getattr(cls, "Options", None)
+                if options is not None:  # a speculator's options with their defaults
+                    entry["options"] = {f.name: None if f.default is msgspec.NODEFAULT else f.default
+                                        for f in msgspec.structs.fields(options)}
+                if hasattr(cls, "is_available"):
+                    entry["available"] = bool(cls.is_available())
+            except Exception as e:  # a broken third-party plugin must not hide the others
+                entry = {"entry_point": ep.value, "error": f"{type(e).__name__}: {e}"}
+            section[name] = entry
+        out[group.rsplit(".", 1)[1]] = section
+    return out

@@ -1,0 +1,452 @@
+"""Runs one StepFrame on the device: forward, sample or verify, then the speculator's pass.
+
+The host packs a step's plan (positions, slots, block tables, each row's slot, draft count,
+output position and sampling values, the host-known tokens) into one staging array, copied
+to the device in one go (`AttentionBackend.prepare`). Everything else is derived on the
+device: input ids gathered from the token buffer, logit positions, draft ids, where outputs
+go. So the device part of a step has fixed shapes once padded, and a captured graph
+(`StepGraphs`) replays it for every decode or verification step of its size.
+
+The only device-to-host transfer of a step is its sampled tokens and accepted counts, copied
+into pinned memory behind an event: `launch` returns before the device has run the step, and
+`PendingStep.result` waits only when the ledger needs the tokens. A `device_only` speculator
+drafts inside the step (and its graph); its drafts stay on the device unless the host must see
+them. With run-ahead, a row scheduled before its predecessor's accepted counts reached the host
+is planned as if every draft was accepted (`ScheduledRow.shifted`), and the device moves it
+back by the drafts that predecessor rejected.
+
+A failure is scoped to rows: when launching a step raises, its rows run again one by one
+and only the rows that fail alone fail; a row whose predecessor step did not complete for its
+slot fails without running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+import torch
+
+from speckernel import log as logmod
+from speckernel.kernel.frame import RowResult, ScheduledRow, StepFrame, StepResult
+from speckernel.models.llama import LlamaModel
+from speckernel.models.paged import new_kv_cache
+from speckernel.ops.paged_attention import AttentionBackend, AttentionMetadata
+from speckernel.plugin import Speculator, TargetModel, TargetStates
+from speckernel.runner.sampler import SamplingTensors, sample_on_device
+from speckernel.runner.token_pool import TokenPool
+from speckernel.runner.verify import verify
+
+if TYPE_CHECKING:
+    from speckernel.runner.step_graphs import StepGraphs
+
+log = logmod.get("runner")
+
+# Columns of the per-row plan the host sends with each step.
+SLOT, NUM_DRAFTS, OUT_POS, SAMPLES, SEED, POSITION, TOP_K, TEMPERATURE, TOP_P, SHIFTED = range(10)
+ROW_FIELDS = 10
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What fixes a step's device work: padded rows and tokens, verify width, sampling kind."""
+
+    rows: int
+    tokens: int
+    k: int
+    """Drafts verified per row (0: plain decode)."""
+    max_query_len: int
+    all_greedy: bool
+    any_filter: bool
+    decode_like: bool = False
+    """Every row samples and has one input token plus its drafts (what graphs serve)."""
+    draft_k: int = 0
+    """Drafts a device-only speculator proposes after the step (0: its sync pass, or none)."""
+
+
+@dataclass
+class DeviceOutputs:
+    """What the device part of a step leaves behind (graph-static when replayed)."""
+
+    packed: torch.Tensor
+    """[R, K + 2]: K + 1 output tokens (-1 padded), then the accepted count."""
+    hidden: torch.Tensor
+    captured: dict[int, torch.Tensor]
+    drafts: torch.Tensor | None = None
+    """[R, draft_k] what a device-only speculator proposed (-1 ends a row), already in the buffer."""
+
+
+def confirmed_lens(seq_lens: torch.Tensor, num_drafts: torch.Tensor, samples: torch.Tensor,
+                   accepted: torch.Tensor) -> torch.Tensor:
+    """Each row's confirmed tokens after its step, on the device: the context it attended minus
+    its drafts, plus the accepted ones and the bonus token where it sampled."""
+    return seq_lens - num_drafts + torch.where(samples, accepted + 1, 0)
+
+
+class PendingStep:
+    """A launched step: its RowResults once the device has run it."""
+
+    def __init__(self, finish: Callable[[], StepResult]) -> None:
+        self._finish = finish
+        self._result: StepResult | None = None
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            self._result = self._finish()
+        return self._result
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, device: torch.device, num_blocks: int, block_size: int,
+                 attention: AttentionBackend, num_slots: int, max_model_len: int,
+                 speculator: Speculator | None = None, max_k: int = 0, use_triton: bool = False,
+                 force_host_drafts: bool = False, max_num_tokens: int = 0, run_ahead: bool = False) -> None:
+        self.model = model
+        self.device = device
+        self.attention = attention
+        self.kv_cache = new_kv_cache(model.cfg, num_blocks, block_size, model.embed.weight.dtype, device)
+        self.speculator = speculator
+        self.use_triton = use_triton
+        self.force_host_drafts = force_host_drafts
+        self.num_slots = num_slots
+        reserve = getattr(attention, "reserve", None)
+        if reserve is not None:  # the plan buffer never moves under captured graphs
+            tokens = max(max_num_tokens, num_slots * (max_k + 1))
+            reserve(tokens, num_slots, ROW_FIELDS, 3 * tokens)
+        # Room for the context, K drafts past it, and one spare column that catches padding;
+        # one spare row takes what padding rows of a device graph write.
+        self.pool = TokenPool(num_slots + 1, max_model_len + max_k + 2, device)
+        self.pool.tokens[num_slots] = 0  # padding rows read their inputs there: any valid id
+        caps = speculator.capabilities if speculator is not None else None
+        self.device_spec = caps is not None and caps.device_only
+        self.run_ahead = run_ahead
+        """Rows may be shifted (planned before their predecessor's accepted counts were known)."""
+        self.rejected = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
+        """Per slot: drafts its latest step rejected, by which a shifted successor moves back."""
+        self.hidden_layers = caps.target_hidden_layers if caps is not None else ()
+        self.draft_probs: torch.Tensor | None = None
+        if caps is not None and caps.sampled_drafts:
+            self.draft_probs = torch.zeros(num_slots + 1, max(max_k, 1), model.cfg.vocab_size, device=device)
+        self.target: TargetModel | None = None
+        if caps is not None and (caps.uses_target_kv or caps.uses_target_weights):
+            weights = caps.uses_target_weights
+            self.target = TargetModel(model.cfg, model.embed if weights else None, model.norm if weights else None,
+                                      model.logits if weights else None,
+                                      self.kv_cache if caps.uses_target_kv else None)
+        self.graphs: StepGraphs | None = None
+        """Captured decode and verification steps, when the engine captured them."""
+
+    # --- launching -------------------------------------------------------------------------
+
+    def execute(self, frame: StepFrame) -> StepResult:
+        return self.launch(frame).result()
+
+    @torch.inference_mode()
+    def launch(self, frame: StepFrame) -> PendingStep:
+        results: list[RowResult | None] = [None] * len(frame.rows)
+        runnable = []
+        for i, row in enumerate(frame.rows):
+            if row.prev_step_id >= 0 and not self.pool.ran(row.slot, row.generation, row.prev_step_id):
+                results[i] = self._failed(row, f"step {row.prev_step_id}, whose output this row reads, failed")
+            else:
+                runnable.append(i)
+        parts = self._run(frame, runnable, results)
+
+        def finish() -> StepResult:
+            k0, copies = frame.skip_drafts if not runnable else False, 0
+            for idx, pending in parts:
+                out = pending.result()
+                for i, row in zip(idx, out.rows, strict=True):
+                    results[i] = row
+                k0, copies = k0 or out.k0, copies + out.num_host_draft_copies
+            return StepResult(frame.step_id, [r for r in results if r is not None], k0=k0,
+                              num_host_draft_copies=copies)
+
+        return PendingStep(finish)
+
+    def _run(self, frame: StepFrame, idx: list[int],
+             results: list[RowResult | None]) -> list[tuple[list[int], PendingStep]]:
+        """Launches rows idx of frame; rows that fail to launch get their error in results."""
+        if not idx:
+            return []
+        try:
+            return [(idx, self._launch(msgspec.structs.replace(frame, rows=[frame.rows[i] for i in idx])))]
+        except Exception as e:
+            log.exception("step_rows_failed", step_id=frame.step_id, rows=len(idx))
+            if len(idx) == 1:
+                results[idx[0]] = self._failed(frame.rows[idx[0]], f"{type(e).__name__}: {e}")
+                return []
+            # Rows are independent (KV and token-buffer writes depend only on the row), so each
+            # runs again alone: only the rows that fail by themselves fail.
+            return [part for i in idx for part in self._run(frame, [i], results)]
+
+    def _failed(self, row: ScheduledRow, error: str) -> RowResult:
+        self.pool.failed(row.slot)
+        return RowResult(row.key, row.generation, [], row.num_drafts, error=error)
+
+    def step_shape(self, frame: StepFrame) -> StepShape:
+        """The step's shape before padding, and whether it is a decode/verify step graphs fit."""
+        rows = frame.rows
+        k = max((r.num_drafts for r in rows), default=0)
+        sampling = [r.sampling for r in rows if r.sampling is not None]
+        draft_k = 0
+        if self.device_spec and sampling and frame.num_speculative_tokens:
+            assert self.speculator is not None
+            if not frame.skip_drafts or not self.speculator.capabilities.supports_k0:
+                draft_k = frame.num_speculative_tokens
+        return StepShape(rows=len(rows), tokens=frame.num_tokens, k=k,
+                         max_query_len=max((r.num_tokens for r in rows), default=0),
+                         all_greedy=all(s.temperature == 0.0 for s in sampling),
+                         any_filter=any(s.top_k > 0 or s.top_p < 1.0 for s in sampling),
+                         decode_like=all(r.sampling is not None and r.num_tokens == 1 + r.num_drafts for r in rows),
+                         draft_k=draft_k)
+
+    def plan(self, frame: StepFrame, padded: StepShape | None) -> AttentionMetadata:
+        """Packs the step's plan (padded to a captured shape, if given) and sends it to the device
+        in one copy."""
+        rows = frame.rows
+        extra = np.zeros((len(rows), ROW_FIELDS), np.int64)
+        floats = extra.view(np.float64)
+        for i, r in enumerate(rows):
+            s = r.sampling
+            extra[i, :4] = (r.slot, r.num_drafts, r.start_pos + r.num_tokens - r.num_drafts, s is not None)
+            extra[i, SHIFTED] = r.shifted
+            if s is not None:
+                extra[i, SEED:TOP_K + 1] = (s.seed, s.position, s.top_k)
+                floats[i, TEMPERATURE], floats[i, TOP_P] = s.temperature, s.top_p
+            else:
+                floats[i, TOP_P] = 1.0
+        host_n = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
+        n = int(host_n.sum())
+        tail = np.empty(3 * n, np.int64)
+        tail[:n] = np.repeat(extra[:, SLOT], host_n)
+        tail[n : 2 * n] = np.concatenate([np.arange(r.start_pos, r.start_pos + len(r.token_ids)) for r in rows]) \
+            if n else tail[:0]
+        tail[2 * n :] = np.fromiter((t for r in rows for t in r.token_ids), np.int64, n)
+        chunks = [(r.start_pos, r.num_tokens, r.block_ids) for r in rows]
+        if padded is None:
+            return self.attention.prepare(chunks, row_extra=extra, tail=tail)
+        if padded.rows > len(rows):
+            pad = np.zeros((padded.rows - len(rows), ROW_FIELDS), np.int64)
+            pad[:, SLOT] = self.num_slots  # the spare row of the token buffer
+            pad.view(np.float64)[:, TOP_P] = 1.0
+            extra = np.concatenate([extra, pad])
+        return self.attention.prepare(chunks, num_tokens=padded.tokens, num_rows=padded.rows, row_extra=extra,
+                                      tail=tail, max_query_len=padded.max_query_len)
+
+    def write_host_tokens(self, meta: AttentionMetadata) -> None:
+        tail = meta.tail
+        if tail is not None and tail.numel():
+            n = tail.numel() // 3
+            self.pool.tokens[tail[:n], tail[n : 2 * n]] = tail[2 * n :]
+
+    def device_step(self, meta: AttentionMetadata, shape: StepShape) -> DeviceOutputs:
+        """Forward, then sample or verify, then the outputs into the token buffer: all on the
+        device, with shapes fixed by `shape` (a graph captures exactly this)."""
+        assert meta.row_extra is not None
+        extra = meta.row_extra
+        if self.run_ahead:
+            self._move_back(meta)
+        slot, num_drafts, out_pos = extra[:, SLOT], extra[:, NUM_DRAFTS], extra[:, OUT_POS]
+        tokens = self.pool.tokens
+        # -1 (a draft slot a variable-width speculator left empty) reads as any valid id: no
+        # output that depends on it is ever accepted.
+        input_ids = tokens[slot[meta.token_rows], meta.positions].clamp(min=0)
+        hidden, captured = self.model.forward_with_hidden(input_ids, self.kv_cache, meta, self.hidden_layers)
+        floats = extra.view(torch.float64)
+        st = SamplingTensors(temperature=floats[:, TEMPERATURE].float(), top_k=extra[:, TOP_K],
+                             top_p=floats[:, TOP_P].float(), seed=extra[:, SEED], position=extra[:, POSITION],
+                             all_greedy=shape.all_greedy, any_filter=shape.any_filter)
+        last = (meta.query_start[1:] - 1).clamp(min=0)
+        k = shape.k
+        if k == 0:
+            out = sample_on_device(self.model.logits(hidden[last]), st, use_triton=self.use_triton)[:, None]
+            nacc = torch.zeros_like(slot)
+        else:
+            cols = torch.arange(k + 1, device=self.device)
+            index = (last - num_drafts)[:, None] + torch.minimum(cols[None, :], num_drafts[:, None])
+            draft_pos = (out_pos[:, None] + cols[None, :k]).clamp(max=self.pool.width - 1)
+            draft_ids = torch.where(cols[None, :k] < num_drafts[:, None], tokens[slot[:, None], draft_pos], -1)
+            probs = None if self.draft_probs is None else self.draft_probs[slot, :k]
+            logits = self.model.logits(hidden[index.clamp(min=0)])
+            out, nacc = verify(logits, draft_ids, st, probs, use_triton=self.use_triton)
+        # Confirmed tokens land right after each row's last verified input; rows that do not
+        # sample write into the spare last column, which nothing reads.
+        samples = extra[:, SAMPLES] > 0
+        self.pool.write(slot, torch.where(samples, out_pos, self.pool.width - 1), out)
+        if self.run_ahead:
+            self.rejected[slot] = torch.where(samples, num_drafts - nacc, 0)
+        drafts = None
+        if self.device_spec:
+            seq_lens = confirmed_lens(meta.seq_lens, num_drafts, samples, nacc)
+            drafts = self._device_speculate(meta, shape, slot, samples, nacc, seq_lens, captured)
+        packed = torch.cat([out, nacc[:, None].to(out.dtype)], dim=1)
+        return DeviceOutputs(packed, hidden, captured, drafts)
+
+    def _move_back(self, meta: AttentionMetadata) -> None:
+        """Shifted rows were planned as if their predecessor accepted every draft: their
+        positions, cache slots, context lengths, output position and sampling index move back,
+        on the device, by the drafts it rejected."""
+        extra = meta.row_extra
+        assert extra is not None
+        back = torch.where(extra[:, SHIFTED] > 0, self.rejected[extra[:, SLOT]], 0)
+        real = meta.slot_mapping >= 0
+        meta.positions.sub_(torch.where(real, back[meta.token_rows], 0))
+        bs = self.attention.block_size
+        pos = meta.positions
+        slots = meta.block_tables[meta.token_rows, pos // bs] * bs + pos % bs
+        meta.slot_mapping.copy_(torch.where(real, slots, -1))
+        meta.seq_lens.sub_(back)
+        extra[:, OUT_POS] -= back
+        extra[:, POSITION] -= back
+
+    def _device_speculate(self, meta: AttentionMetadata, shape: StepShape, slot: torch.Tensor,
+                          samples: torch.Tensor, accepted: torch.Tensor, seq_lens: torch.Tensor,
+                          captured: dict[int, torch.Tensor]) -> torch.Tensor | None:
+        """A device-only speculator's pass, inside the step: it sees device tensors only, and
+        its drafts go into the token buffer right after each sampling row's confirmed tokens."""
+        assert self.speculator is not None
+        states = TargetStates(
+            tokens=self.pool.tokens, slots=[], slot_index=slot, generations=[], start_pos=[], query_start=[],
+            positions=meta.positions, num_drafts=[], accepted=accepted, seq_lens=[], samples=[], sampling=[],
+            block_tables=[], hidden=captured, seq_lens_device=seq_lens, samples_device=samples, target=self.target,
+            attention=meta)
+        if not shape.draft_k:
+            self.speculator.sync(states)
+            return None
+        drafts = self.speculator.propose(states, shape.draft_k)
+        self.pool.write(slot, torch.where(samples, seq_lens, self.pool.width - 1), drafts.token_ids)
+        if self.draft_probs is not None and drafts.probs is not None:
+            self.draft_probs[slot, : shape.draft_k] = drafts.probs.float()
+        return drafts.token_ids
+
+    def _launch(self, frame: StepFrame) -> PendingStep:
+        rows = frame.rows
+        shape = self.step_shape(frame)
+        padded = self.graphs.padded(shape) if self.graphs is not None else None
+        meta = self.plan(frame, padded)
+        self.write_host_tokens(meta)
+        if padded is not None:
+            assert self.graphs is not None
+            out = self.graphs.replay(padded)
+        else:
+            out = self.device_step(meta, shape)
+        for r in rows:
+            self.pool.completed(r.slot, r.generation, frame.step_id)
+        n = len(rows)
+        k1 = out.packed.shape[1] - 1  # a padded step verifies the bucket's K: more columns than shape.k
+        # Drafts proposed inside the step count for the next one unless the step was K=0 (a
+        # speculator that cannot skip drafting proposed all the same: its drafts are dropped).
+        drafted = out.drafts is not None and not frame.skip_drafts
+        host_drafts = drafted and frame.host_drafts
+        copies = 0
+        if drafted and not frame.host_drafts and self.force_host_drafts:
+            out.drafts[:n].tolist()  # what a kernel that ignored the fixed width would pay
+            copies = 1
+        packed = out.packed[:n]
+        if host_drafts:
+            assert out.drafts is not None
+            packed = torch.cat([packed, out.drafts[:n]], dim=1)
+            copies = 1
+        host, event = packed.clone(), None
+        if self.device.type != "cpu":  # copy into pinned memory behind an event; wait only in finish()
+            host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            event = torch.Event(self.device)
+            event.record()
+        next_k = out.drafts.shape[1] if drafted and out.drafts is not None else 0
+
+        def finish() -> StepResult:
+            if event is not None:
+                event.synchronize()
+            values = host.tolist()
+            result_rows = []
+            for r, v in zip(rows, values, strict=True):
+                if r.sampling is None:
+                    result_rows.append(RowResult(r.key, r.generation, [], r.num_drafts, 0))
+                    continue
+                row = RowResult(r.key, r.generation, [t for t in v[:k1] if t >= 0], r.num_drafts, v[k1],
+                                num_next_drafts=0 if host_drafts else next_k)
+                if host_drafts:
+                    drafted_ids = v[k1 + 1 :]
+                    cut = next((m for m, tok in enumerate(drafted_ids) if tok < 0), len(drafted_ids))
+                    row = msgspec.structs.replace(row, next_draft_ids=drafted_ids[:cut])
+                result_rows.append(row)
+            return StepResult(frame.step_id, result_rows, k0=frame.skip_drafts and self.speculator is not None,
+                              num_host_draft_copies=copies)
+
+        if self.speculator is None or self.device_spec:
+            return PendingStep(finish)
+        # The speculator reads this step's metadata and outputs, which the next launch
+        # overwrites: it runs now (it needs the accepted counts on the host anyway).
+        done = self._speculate(frame, meta, out, finish())
+        return PendingStep(lambda: done)
+
+    # --- the speculator's pass -------------------------------------------------------------
+
+    def _speculate(self, frame: StepFrame, meta: AttentionMetadata, out: DeviceOutputs,
+                   plain: StepResult) -> StepResult:
+        assert self.speculator is not None
+        rows = frame.rows
+        n = len(rows)
+        result_rows = list(plain.rows)
+        starts = [r.start_pos for r in rows]
+        lens = [r.num_tokens for r in rows]
+        num_drafts = [r.num_drafts for r in rows]
+        samples = [r.sampling is not None for r in rows]
+        seq_lens = [starts[i] + lens[i] - num_drafts[i] + (result_rows[i].num_accepted + 1 if samples[i] else 0)
+                    for i in range(n)]
+        query_start = np.concatenate([[0], np.cumsum(lens)]).tolist()
+        slots = [r.slot for r in rows]
+        assert meta.row_extra is not None
+        slot_index = meta.row_extra[:n, SLOT]
+        accepted = out.packed[:n, -1]
+        samples_device = meta.row_extra[:n, SAMPLES] > 0
+        seq_lens_device = confirmed_lens(meta.seq_lens[:n], meta.row_extra[:n, NUM_DRAFTS], samples_device, accepted)
+        t = query_start[-1]
+        states = TargetStates(
+            tokens=self.pool.tokens, slots=slots, slot_index=slot_index,
+            generations=[r.generation for r in rows], start_pos=starts, query_start=query_start,
+            positions=meta.positions[:t], num_drafts=num_drafts, accepted=accepted, seq_lens=seq_lens,
+            samples=samples, sampling=[r.sampling for r in rows], block_tables=[r.block_ids for r in rows],
+            hidden={layer: h[:t] for layer, h in out.captured.items()}, seq_lens_device=seq_lens_device,
+            samples_device=samples_device, target=self.target, attention=meta)
+        spec = self.speculator
+        k = frame.num_speculative_tokens
+        sampling_idx = [i for i in range(n) if samples[i]]
+        if not sampling_idx or (frame.skip_drafts and spec.capabilities.supports_k0):
+            spec.sync(states)
+            return msgspec.structs.replace(plain, rows=result_rows, k0=frame.skip_drafts)
+        drafts = spec.propose(states, k)
+        if frame.skip_drafts:  # the speculator cannot skip drafting: its drafts are dropped
+            return msgspec.structs.replace(plain, rows=result_rows, k0=True)
+        idx = torch.tensor(sampling_idx, dtype=torch.int64, device=self.device)
+        ids = drafts.token_ids[idx]
+        sample_slots = slot_index[idx]
+        start = torch.tensor([seq_lens[i] for i in sampling_idx], device=self.device)
+        self.pool.write(sample_slots, start, ids)
+        if self.draft_probs is not None and drafts.probs is not None:
+            self.draft_probs[sample_slots, :k] = drafts.probs[idx].float()
+        if not frame.host_drafts:
+            copies = 0
+            if self.force_host_drafts:  # what a kernel that ignored the fixed width would pay
+                ids.tolist()
+                copies = 1
+            for i in sampling_idx:
+                result_rows[i] = msgspec.structs.replace(result_rows[i], num_next_drafts=k)
+            return msgspec.structs.replace(plain, rows=result_rows, num_host_draft_copies=copies)
+        for j, drafted in zip(sampling_idx, ids.tolist(), strict=True):
+            cut = next((m for m, tok in enumerate(drafted) if tok < 0), len(drafted))
+            result_rows[j] = msgspec.structs.replace(result_rows[j], next_draft_ids=drafted[:cut])
+        return msgspec.structs.replace(plain, rows=result_rows, num_host_draft_copies=1)
+
+    @torch.inference_mode()
+    def prompt_logits(self, frame: StepFrame) -> torch.Tensor:
+        """Logits of every position of a frame whose rows carry all their tokens (tests compare
+        them with a reference model)."""
+        ids = torch.tensor([t for r in frame.rows for t in r.token_ids], device=self.device)
+        meta = self.attention.prepare([(r.start_pos, r.num_tokens, r.block_ids) for r in frame.rows])
+        return self.model.logits(self.model(ids, self.kv_cache, meta))

@@ -1,0 +1,139 @@
+"""Device graphs of decode, verification and lone-prompt steps, captured at start, one per
+step shape.
+
+A step of R rows, each with one input token and up to K drafts, pads to the next captured
+row bucket: its device work (input gather, forward, logits, sampling or verification, the
+token-buffer write, a device-only speculator's pass) is one graph replay instead of hundreds
+of kernel launches. A step of one row's prompt (or a chunk of it) pads to the next captured
+token bucket: eagerly, its launches cost the host tens of milliseconds, all of it time to the
+first token. The graphs read the runner's persistent buffers, which the host refills before
+each replay; padding rows write only to the token buffer's spare row, padding tokens to no
+KV slot.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+import torch
+from tqdm import tqdm
+
+from speckernel import log as logmod
+from speckernel.kernel.frame import StepFrame
+from speckernel.ops.paged_attention import AttentionMetadata
+from speckernel.platform import DeviceGraph, Platform
+from speckernel.runner.model_runner import DeviceOutputs, ModelRunner, StepShape
+
+log = logmod.get("graphs")
+
+SAMPLING_KINDS = ((True, False), (False, False), (False, True))
+"""(all_greedy, any_filter): greedy rows only; sampling without top-k/top-p; with them."""
+
+
+PREFILL_BUCKETS = (32, 64, 128, 256, 512)
+"""Token counts of the captured one-row prompt steps: a longer prompt (or chunk) runs eagerly,
+where its launches weigh less next to its compute."""
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """The prompt-step buckets a step of at most `max_tokens` tokens can use."""
+    return [b for b in PREFILL_BUCKETS if b <= max_tokens]
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to 64 and of 32 beyond: padding never wastes more
+    than a few rows where batches are common."""
+    sizes = [1, 2, 4]
+    while sizes[-1] < max_rows:
+        last = sizes[-1]
+        sizes.append(last + (4 if last < 8 else 8 if last < 64 else 32))
+    return sorted({min(s, max_rows) for s in sizes})
+
+
+class StepGraphs:
+    def __init__(self, runner: ModelRunner, platform: Platform, max_rows: int, ks: Iterable[int],
+                 draft_ks: Iterable[int] = (0,), prefill_tokens: Iterable[int] = ()) -> None:
+        self.runner = runner
+        self.platform = platform
+        self.buckets = row_buckets(max_rows)
+        self.ks = sorted(set(ks))
+        self.draft_ks = sorted(set(draft_ks))
+        """Drafts a device-only speculator proposes inside the step (0: its sync pass)."""
+        self.prefill = sorted(set(prefill_tokens))
+        """Token buckets of one-row steps without drafts (a prompt, or a chunk of one)."""
+        self.graphs: dict[StepShape, tuple[DeviceGraph, DeviceOutputs]] = {}
+        self.pool: object | None = None
+        self.buffer_ptr = 0
+        self.num_replays = 0
+
+    def shapes(self) -> list[StepShape]:
+        prompts = [self._prefill_shape(tokens, greedy, filt, draft_k) for draft_k in self.draft_ks
+                   for tokens in reversed(self.prefill) for greedy, filt in SAMPLING_KINDS]
+        return prompts + [self._shape(rows, k, greedy, filt, draft_k) for k in self.ks for draft_k in self.draft_ks
+                          for rows in reversed(self.buckets) for greedy, filt in SAMPLING_KINDS]
+
+    @staticmethod
+    def _shape(rows: int, k: int, all_greedy: bool, any_filter: bool, draft_k: int = 0) -> StepShape:
+        return StepShape(rows=rows, tokens=rows * (k + 1), k=k, max_query_len=k + 1, all_greedy=all_greedy,
+                         any_filter=any_filter, decode_like=True, draft_k=draft_k)
+
+    @staticmethod
+    def _prefill_shape(tokens: int, all_greedy: bool, any_filter: bool, draft_k: int = 0) -> StepShape:
+        return StepShape(rows=1, tokens=tokens, k=0, max_query_len=tokens, all_greedy=all_greedy,
+                         any_filter=any_filter, draft_k=draft_k)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Captures every shape, largest first (smaller ones reuse its memory), with progress."""
+        shapes = self.shapes()
+        for shape in tqdm(shapes, desc="capturing device graphs", unit="graph", file=sys.stderr, disable=None,
+                          leave=False):
+            meta = self.runner.plan(StepFrame(-1, []), shape)
+            self.graphs[shape] = self._record(meta, shape)
+        self.platform.synchronize()
+        self.buffer_ptr = self._buffer_ptr()
+        log.info("graphs_captured", num_graphs=len(self.graphs), row_buckets=self.buckets, ks=self.ks,
+                 prefill_tokens=self.prefill)
+
+    def _record(self, meta: AttentionMetadata, shape: StepShape) -> tuple[DeviceGraph, DeviceOutputs]:
+        for _ in range(2):  # compiles kernels and settles the allocator outside the capture
+            self.runner.device_step(meta, shape)
+        with self.platform.graph_capture(self.pool) as graph:
+            out = self.runner.device_step(meta, shape)
+        self.pool = graph.pool()
+        return graph, out
+
+    def _buffer_ptr(self) -> int:
+        buffer = getattr(self.runner.attention, "buffer", None)
+        return 0 if buffer is None else buffer.data_ptr()
+
+    def padded(self, shape: StepShape) -> StepShape | None:
+        """The captured shape that serves this step, or None (run it eagerly)."""
+        if not self.graphs:
+            return None
+        any_filter = shape.any_filter and not shape.all_greedy
+        if shape.decode_like:
+            rows = next((b for b in self.buckets if b >= shape.rows), None)
+            k = next((k for k in self.ks if k >= shape.k), None)
+            if rows is None or k is None:
+                return None
+            padded = self._shape(rows, k, shape.all_greedy, any_filter, shape.draft_k)
+        elif shape.rows == 1 and shape.k == 0:  # one row's prompt, or a chunk of it
+            tokens = next((b for b in self.prefill if b >= shape.tokens), None)
+            if tokens is None:
+                return None
+            padded = self._prefill_shape(tokens, shape.all_greedy, any_filter, shape.draft_k)
+        else:
+            return None
+        if self._buffer_ptr() != self.buffer_ptr:  # a bigger step grew the plan buffer the graphs read
+            log.warning("graphs_dropped", reason="the step plan buffer was reallocated")
+            self.graphs.clear()
+            return None
+        return padded if padded in self.graphs else None
+
+    def replay(self, shape: StepShape) -> DeviceOutputs:
+        graph, out = self.graphs[shape]
+        graph.replay()
+        self.num_replays += 1
+        return out

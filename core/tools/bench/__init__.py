@@ -1,0 +1,1 @@
+"""`speckernel bench`: side-by-side measurements, one module per scenario."""

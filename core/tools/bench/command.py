@@ -1,0 +1,172 @@
+"""`speckernel bench SCENARIO`: measurements side by side in one run, written as
+`<out>/<scenario>.json` (with the command line, host, platform, dtype and library versions), a
+markdown table `<out>/<scenario>.md` and a plot `<out>/<scenario>.png`.
+
+Each scenario is one module, `bench_<scenario>.py`, with `run(args)` (a coroutine where it
+drives AsyncEngine) returning the report, `markdown(report)` returning the table's lines and
+`plot(report, plt)` returning a figure; its flags live in `bench_cli`. This module runs the
+chosen one and holds what they share: engine configs from the flags, the report header, the
+writer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import platform as host_platform
+import shlex
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from speckernel.config import EngineConfig
+from speckernel.errors import InvalidInputError
+
+MISSING = "\N{EN DASH}"
+"""What a table shows where a figure does not apply."""
+
+
+def scenario_module(name: str) -> ModuleType:
+    return importlib.import_module(f".{name}", __package__)
+
+
+def base_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=args.model, platform=args.platform, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                        in_process=not getattr(args, "process", False))
+
+
+def with_speculator(config: EngineConfig, args: argparse.Namespace, name: str | None) -> EngineConfig:
+    """name is NAME[:K[:KEY=VALUE,...]]: K and options of that run, else --num-speculative-tokens
+    and --speculator-option."""
+    if name is None:
+        return config
+    from speckernel.tools.cli import parse_options
+
+    spec, _, rest = name.partition(":")
+    k_text, _, option_text = rest.partition(":")
+    try:
+        k = int(k_text) if k_text else args.num_speculative_tokens
+    except ValueError:
+        raise InvalidInputError(f"--speculator {name!r}: expected NAME[:K[:KEY=VALUE,...]]") from None
+    options = option_text.split(",") if option_text else args.speculator_option
+    return msgspec.structs.replace(config, speculator=spec, num_speculative_tokens=k,
+                                   draft_model=args.draft_model,
+                                   adaptive_speculation=getattr(args, "adaptive_speculation", False),
+                                   speculator_options=parse_options(options))
+
+
+# --- the report ------------------------------------------------------------------------------
+
+
+def versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {}
+    for package in ("speckernel", "torch", "transformers", "triton"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def header(scenario: str) -> dict[str, Any]:
+    """What every report starts with; the scenario adds platform and dtype once its engine ran.
+    The command is this process's own (`speckernel bench ...`)."""
+    return {
+        "scenario": scenario,
+        "command": "speckernel " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "host": f"{host_platform.machine()} {host_platform.system()}",
+        "versions": versions(),
+    }
+
+
+def device_name(device: Any) -> str:
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type} ({host_platform.processor() or host_platform.machine()})"
+
+
+def preamble(report: dict[str, Any], title: str) -> list[str]:
+    """The markdown title and the lines that say how and where the table was measured."""
+    v = report["versions"]
+    libs = ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "triton") if v.get(k))
+    return [
+        f"# {title}",
+        "",
+        f"Command: `{report['command']}`  ",
+        f"Platform: {report.get('platform', '?')} ({report.get('dtype', '?')}), "
+        f"{report.get('device', '?')}, host {report['host']}; {libs}",
+        "",
+    ]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def cell(value: float | None, spec: str = ".2f", scale: float = 1.0) -> str:
+    return MISSING if value is None else format(value * scale, spec)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def concurrency_axis(ax: Any, concurrencies: list[int], xlabel: str, ylabel: str) -> None:
+    """A log2 x axis ticked at the concurrencies measured, with a legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+    ax.minorticks_off()
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize="small")
+
+
+def write_report(name: str, report: dict[str, Any], lines: list[str], plot: Any, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    plt = pyplot()
+    if plt is None:
+        print("bench: matplotlib not installed, no plot (pip install 'speckernel[bench]')", file=sys.stderr)
+        return
+    fig = plot(report, plt)
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png", dpi=120)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> int:
+    import anyio
+
+    module = scenario_module(args.scenario)
+    report = anyio.run(module.run, args) if inspect.iscoroutinefunction(module.run) else module.run(args)
+    out = Path(args.out)
+    write_report(args.scenario, report, module.markdown(report), module.plot, out)
+    print((out / f"{args.scenario}.md").read_text())
+    return 0

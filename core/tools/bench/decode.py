@@ -1,0 +1,169 @@
+"""decode: decode speed on HumanEval chat prompts, greedy, without speculation and with each
+speculator, at batch 1 (concurrency 1: one request after another over --num-prompts prompts)
+and at each concurrency C (C streams at once over max(C, --num-prompts) prompts). Per run:
+tokens/s, time per output token (per request: (last token - first token) / (n - 1)) at p50 and
+p99, time to first token p50, mean acceptance length, target steps/s and the ratio to no
+speculation. With transformers importable, the HF peers (see bench_hf.py) run the batch-1
+prompts on the same weights; each engine run at batch 1 gets its ratio to each peer, and the
+table says how many HF outputs equal the engine's token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import msgspec
+
+from speckernel import registry
+from speckernel.frontend.async_engine import AsyncEngine
+from speckernel.platform import parse_dtype
+from speckernel.sampling_params import SamplingParams
+from speckernel.tools.bench import hf as bench_hf
+from speckernel.tools.bench.command import (
+    MISSING,
+    base_config,
+    cell,
+    concurrency_axis,
+    device_name,
+    header,
+    preamble,
+    ratio,
+    with_speculator,
+)
+from speckernel.tools.bench.streams import chat_prompts, identical, run_streams, warm_up
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    modes = args.modes or (["process"] if args.process else ["inprocess"])
+    speculators = args.speculator or ["ngram"]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    sizes = {c: args.num_prompts if c == 1 else max(c, args.num_prompts) for c in args.concurrency}
+    print(f"bench decode: {len(modes) * (1 + len(speculators))} engines x concurrency {args.concurrency}: "
+          f"{len(modes) * (1 + len(speculators)) * sum(sizes.values())} requests of up to {args.max_tokens} tokens"
+          + ("" if args.no_hf else f"; HF peers: {len(bench_hf.PEERS)} x {args.num_prompts} requests"),
+          file=sys.stderr)
+    prompts: list[list[int]] = []
+    eos_ids: tuple[int, ...] = ()
+    info: Any = None
+    runs: list[dict[str, Any]] = []
+    for mode in modes:
+        for name in [None, *speculators]:
+            label = name or "none"
+            config = with_speculator(msgspec.structs.replace(base_config(args), in_process=mode == "inprocess"),
+                                     args, name)
+            started = time.monotonic()
+            async with AsyncEngine(config) as engine:
+                start_s = time.monotonic() - started
+                if not prompts:  # the engine's own chat template and tokenizer, for HF too
+                    prompts = chat_prompts(engine, max(sizes.values()))
+                    eos_ids, info = engine.tokenizer.eos_token_ids, engine.info
+                await warm_up(engine, prompts, params, tuple(sizes))
+                for c, n in sizes.items():
+                    r = await run_streams(engine, prompts[:n], params, c, f"{mode} {label} c={c}")
+                    runs.append({"mode": mode, "speculator": label, "engine_start_s": start_s} | r)
+    peers: dict[str, dict[str, Any]] = {}
+    if not args.no_hf and not bench_hf.available():
+        print("bench decode: transformers not installed, no HF peers (pip install transformers)", file=sys.stderr)
+    elif not args.no_hf:
+        device = registry.pick_platform(info.platform).device
+        peers = bench_hf.run_peers(args.model, prompts[: args.num_prompts], args.max_tokens, eos_ids,
+                                   args.num_speculative_tokens, parse_dtype(info.dtype), device)
+    compare(runs, peers, modes)
+    return header("decode") | {
+        "platform": info.platform,
+        "dtype": info.dtype,
+        "device": device_name(registry.pick_platform(info.platform).device),
+        "dataset": "HumanEval (chat template)",
+        "max_tokens": args.max_tokens,
+        "num_prompts": args.num_prompts,
+        "concurrency": args.concurrency,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "modes": modes,
+        "runs": runs,
+        "peers": peers,
+    }
+
+
+def compare(runs: list[dict[str, Any]], peers: dict[str, dict[str, Any]], modes: list[str]) -> None:
+    """Adds the ratios and output checks to each run and peer, then drops the outputs."""
+    by_key = {(r["mode"], r["speculator"], r["concurrency"]): r for r in runs}
+    for r in runs:
+        none = by_key[(r["mode"], "none", r["concurrency"])]
+        r["ratio_to_none"] = ratio(r["tokens_per_s"], none["tokens_per_s"])
+        r["identical_to_none"] = identical(r["outputs"], none["outputs"])
+        inproc = by_key.get(("inprocess", r["speculator"], r["concurrency"])) if len(modes) > 1 else None
+        r["ratio_to_inprocess"] = ratio(r["tokens_per_s"], inproc["tokens_per_s"]) if inproc else None
+        r["ratio_to_peers"] = {p: ratio(r["tokens_per_s"], peer["tokens_per_s"]) for p, peer in peers.items()
+                               if r["concurrency"] == 1}
+    reference = by_key.get((modes[0], "none", 1))
+    for peer in peers.values():
+        peer["identical_to_engine"] = identical(peer["outputs"], reference["outputs"]) if reference else None
+    for item in [*runs, *peers.values()]:
+        item.pop("outputs")
+
+
+def markdown(report: dict[str, Any]) -> list[str]:
+    lines = preamble(report, f"Decode, {report['dataset']}, greedy, max_tokens {report['max_tokens']}, "
+                             f"K={report['num_speculative_tokens']}")
+    lines += [
+        f"Concurrency 1 is batch 1: {report['num_prompts']} requests one after another; concurrency C keeps C "
+        f"requests in flight over max(C, {report['num_prompts']}) prompts. TPOT: per request, (last token - "
+        "first token) / (n - 1). Ratios compare tokens/s.",
+        "",
+    ]
+    peer_names = list(report["peers"]) or list(bench_hf.PEERS)
+    lines += [
+        "| mode | speculator | concurrency | requests | tokens | tokens/s | TPOT p50 ms | TPOT p99 ms | "
+        "TTFT p50 ms | mean acceptance length | target steps/s | ratio to none | identical to none | "
+        "ratio to in-process | " + " | ".join(f"vs {p}" for p in peer_names) + " |",
+        "|---" * (14 + len(peer_names)) + "|",
+    ]
+    for r in report["runs"]:
+        vs = [cell(r["ratio_to_peers"].get(p)) for p in peer_names]
+        lines.append(
+            f"| {r['mode']} | {r['speculator']} | {r['concurrency']} | {r['num_requests']} | "
+            f"{r['generated_tokens']} | {r['tokens_per_s']:.1f} | {cell(r['tpot_p50_ms'])} | "
+            f"{cell(r['tpot_p99_ms'])} | {cell(r['ttft_p50_ms'], '.1f')} | "
+            f"{cell(r['spec']['mean_acceptance_length'])} | {r['steps_per_s']:.1f} | {cell(r['ratio_to_none'])} | "
+            f"{r['identical_to_none']}/{r['num_requests']} | {cell(r['ratio_to_inprocess'])} | "
+            + " | ".join(vs) + " |")
+    if report["peers"]:
+        lines += [
+            "",
+            "HF transformers peers, batch 1, same weights, dtype, device and prompt token ids "
+            "(setup: warm-up, and compilation for the static cache; not in tokens/s):",
+            "",
+            "| peer | requests | tokens | tokens/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | setup s | "
+            "identical to engine (none, batch 1) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, p in report["peers"].items():
+            same = MISSING if p["identical_to_engine"] is None else f"{p['identical_to_engine']}/{p['num_requests']}"
+            lines.append(
+                f"| {name} | {p['num_requests']} | {p['generated_tokens']} | {p['tokens_per_s']:.1f} | "
+                f"{cell(p['tpot_p50_ms'])} | {cell(p['tpot_p99_ms'])} | {cell(p['ttft_p50_ms'], '.1f')} | "
+                f"{p['setup_s']:.1f} | {same} |")
+    return lines
+
+
+def plot(report: dict[str, Any], plt: Any) -> Any:
+    fig, (tps, tpot) = plt.subplots(1, 2, figsize=(11, 4))
+    series: dict[str, list[dict[str, Any]]] = {}
+    for r in report["runs"]:
+        label = r["speculator"] if len(report["modes"]) == 1 else f"{r['speculator']} ({r['mode']})"
+        series.setdefault(label, []).append(r)
+    for label, rows in series.items():
+        xs = [r["concurrency"] for r in rows]
+        tps.plot(xs, [r["tokens_per_s"] for r in rows], marker="o", label=label)
+        tpot.plot(xs, [r["tpot_p50_ms"] or 0.0 for r in rows], marker="o", label=label)
+    for name, p in report["peers"].items():
+        tps.scatter([1], [p["tokens_per_s"]], marker="x", label=name)
+        tpot.scatter([1], [p["tpot_p50_ms"] or 0.0], marker="x", label=name)
+    concurrencies = sorted({r["concurrency"] for r in report["runs"]})
+    for ax, ylabel in ((tps, "tokens/s"), (tpot, "time per output token p50 (ms)")):
+        concurrency_axis(ax, concurrencies, "concurrency (1: batch 1)", ylabel)
+    tps.set_title(f"Decode, {report['platform']} {report['dtype']}, max_tokens {report['max_tokens']}")
+    return fig

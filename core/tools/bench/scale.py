@@ -1,0 +1,184 @@
+"""scale: the time of one decode step at batch 1 against its floor, the time the device needs
+to read every weight a step reads (and the request's KV) at the copy bandwidth measured in the
+same run. The default target is a random-weight model of Llama-3-8B's shape (`random:llama3-8b`,
+bf16, about 15 GB read per step), next to SmolLM2-135M timed the same way against its own floor.
+
+The engine core is driven directly (no tokenizer, no frontend): one greedy request of random
+prompt tokens, then steady-state decode steps, each timed between two device synchronisations;
+the median over --steps after --warmup-steps. The bandwidth is that of a large device-to-device
+copy (bytes read plus bytes written, over the median of several, timed with device events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from speckernel import registry
+from speckernel.config import EngineConfig
+from speckernel.engine.core import EngineCore
+from speckernel.models.config import ModelConfig
+from speckernel.models.synthetic import is_random
+from speckernel.sampling_params import SamplingParams
+from speckernel.tools.bench.command import device_name, header, preamble, ratio
+from speckernel.wire.messages import AddRequest
+
+DEFAULT_MODELS = ["random:llama3-8b", "smollm2-135m"]
+
+
+def step_bytes(cfg: ModelConfig, element_size: int, context: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes) one decode step of one token reads: every matrix and norm, the
+    LM head in full, one row of the embedding table (all of it when the head is tied to it, as
+    the head reads it), and the KV of `context` positions."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    qkv = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
+    bias = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd if cfg.attention_bias else 0
+    per_layer = qkv + bias + cfg.num_heads * hd * h + 3 * h * cfg.intermediate_size + 2 * h
+    per_layer += 2 * hd if cfg.qk_norm else 0
+    weights = cfg.num_layers * per_layer + h + cfg.vocab_size * h + (0 if cfg.tie_word_embeddings else h)
+    kv = cfg.num_layers * 2 * cfg.num_kv_heads * hd * context
+    return weights * element_size, kv * element_size
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
+    """Bytes per second of a device-to-device copy, counting what it reads and what it writes."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    times: list[float] = []
+    if device.type == "cpu":
+        for _ in range(repeats):
+            started = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - started)
+    else:
+        module = torch.get_device_module(device.type)
+        for _ in range(repeats):
+            start, end = module.Event(enable_timing=True), module.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def time_steps(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Loads `name` into a fresh engine core, then times its decode steps at batch 1."""
+    block_size = EngineConfig().block_size
+    blocks = -(-(args.prompt_len + args.warmup_steps + args.steps + 2) // block_size) + 1  # KV for this request only
+    config = EngineConfig(model=name, platform=args.platform, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                          max_model_len=args.max_model_len or blocks * block_size, num_kv_blocks=blocks,
+                          enforce_eager=args.enforce_eager, in_process=True)
+    print(f"bench scale: loading {name}", file=sys.stderr)
+    started = time.monotonic()
+    core = EngineCore(config)
+    load_s = time.monotonic() - started
+    cfg = core.model_cfg
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt_len)
+    params = SamplingParams(max_tokens=args.warmup_steps + args.steps + 2, temperature=0.0, ignore_eos=True)
+    delta = core.add_request(AddRequest(0, prompt, params))
+    assert delta is None, delta
+    produced = 0
+    while produced == 0:  # prefill (possibly several chunks) until the first token
+        produced += sum(len(d.new_token_ids) for d in core.step())
+    for _ in range(args.warmup_steps):
+        core.step()
+    times: list[float] = []
+    for _ in range(args.steps):
+        core.platform.synchronize()
+        started = time.perf_counter()
+        core.step()
+        core.platform.synchronize()
+        times.append(time.perf_counter() - started)
+    weights, kv = step_bytes(cfg, torch.empty((), dtype=core.dtype).element_size(),
+                             args.prompt_len + args.warmup_steps + args.steps // 2)
+    stats = core.stats()
+    result = {
+        "model": name,
+        "num_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "load_s": load_s,
+        "weight_bytes_per_step": weights,
+        "kv_bytes_per_step": kv,
+        "step_p50_ms": statistics.median(times) * 1e3,
+        "step_p10_ms": float(np.percentile(times, 10)) * 1e3,
+        "step_p90_ms": float(np.percentile(times, 90)) * 1e3,
+        "num_steps_timed": len(times),
+        "num_graph_steps": stats.get("num_graph_steps", 0),
+        "platform": core.platform.name,
+        "dtype": str(core.dtype).removeprefix("torch."),
+    }
+    del core
+    gc.collect()
+    return result
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    platform = registry.pick_platform(args.platform)
+    device = platform.device
+    models = [args.model] if args.model else DEFAULT_MODELS[:1]
+    models += args.compare if args.compare is not None else ([] if args.model else DEFAULT_MODELS[1:])
+    if args.layers is not None:
+        models = [f"{m},num_layers={args.layers}" if is_random(m) else m for m in models]
+    results = [time_steps(m, args) for m in models]
+    if device.type != "cpu":
+        torch.get_device_module(device.type).empty_cache()  # the models' memory, for the copy
+    mib = args.copy_mib or (256 if device.type == "cpu" else 4096)
+    bandwidth = copy_bandwidth(device, mib << 20, args.copy_repeats)
+    for r in results:
+        floor_ms = (r["weight_bytes_per_step"] + r["kv_bytes_per_step"]) / bandwidth * 1e3
+        r["floor_ms"] = floor_ms
+        r["step_over_floor"] = ratio(r["step_p50_ms"], floor_ms)
+        r["tokens_per_s"] = 1e3 / r["step_p50_ms"]
+    return header("scale") | {
+        "platform": results[0]["platform"],
+        "dtype": results[0]["dtype"],
+        "device": device_name(device),
+        "prompt_len": args.prompt_len,
+        "copy_bytes": mib << 20,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "models": results,
+    }
+
+
+def markdown(report: dict[str, Any]) -> list[str]:
+    lines = preamble(report, f"Decode step at batch 1 against the weight-read floor, prompt {report['prompt_len']} "
+                             "tokens")
+    lines += [
+        f"Floor: (weights + KV read per step) / {report['copy_bandwidth_gb_s']:.0f} GB/s, the bandwidth of a "
+        f"{report['copy_bytes'] >> 20} MiB device copy measured in this run (read + written bytes).",
+        "",
+        "| model | layers | weights read GB | KV read MB | step p50 ms | p10 ms | p90 ms | tokens/s | floor ms "
+        "| step / floor | graph steps | load s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["models"]:
+        lines.append(
+            f"| {r['model']} | {r['num_layers']} | {r['weight_bytes_per_step'] / 1e9:.3f} | "
+            f"{r['kv_bytes_per_step'] / 1e6:.1f} | {r['step_p50_ms']:.3f} | {r['step_p10_ms']:.3f} | "
+            f"{r['step_p90_ms']:.3f} | {r['tokens_per_s']:.1f} | {r['floor_ms']:.3f} | {r['step_over_floor']:.2f} | "
+            f"{r['num_graph_steps']} | {r['load_s']:.1f} |")
+    return lines
+
+
+def plot(report: dict[str, Any], plt: Any) -> Any:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    models = report["models"]
+    xs = range(len(models))
+    ax.bar([x - 0.2 for x in xs], [r["step_p50_ms"] for r in models], 0.4, label="decode step (p50)")
+    ax.bar([x + 0.2 for x in xs], [r["floor_ms"] for r in models], 0.4, label="weight-read floor")
+    ax.set_xticks(list(xs), [r["model"] for r in models], fontsize="small")
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per step, batch 1")
+    ax.set_title(f"Decode step vs floor, {report['platform']} {report['dtype']}")
+    ax.legend()
+    return fig

@@ -1,0 +1,132 @@
+"""Request streams through one AsyncEngine at a fixed concurrency, for the decode, hostsync and
+prefill scenarios: per-request timings, and the engine's counters over that stretch alone (they
+are engine-wide and cumulative, so a run reports the difference of two snapshots and several
+runs can share one engine and its start-up cost).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import anyio
+from tqdm import tqdm
+
+from speckernel.frontend.async_engine import AsyncEngine
+from speckernel.sampling_params import SamplingParams
+from speckernel.tools.bench.command import ms, percentile
+from speckernel.tools.datasets import humaneval_messages
+
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_k0_steps", "num_host_draft_copies")
+
+
+def chat_prompts(engine: AsyncEngine, n: int) -> list[list[int]]:
+    """The first n HumanEval problems as chat prompts, going round the 164 as often as needed,
+    tokenized as the engine's chat() does (the HF peers get these very token ids)."""
+    conversations = humaneval_messages()
+    return [engine.encode_chat(conversations[i % len(conversations)]) for i in range(n)]
+
+
+async def warm_up(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
+                  concurrencies: tuple[int, ...] = (1,)) -> None:
+    """Short requests first, at each concurrency to be measured, so that lazy initialisation
+    (kernels compiled for a new batch shape on first use, allocator growth) is not charged to
+    the first measured requests."""
+    warm = SamplingParams(max_tokens=min(params.max_tokens, 8), temperature=0.0, ignore_eos=params.ignore_eos)
+
+    async def one(prompt: list[int]) -> None:
+        async for _ in engine.generate(prompt, warm):
+            pass
+
+    for c in sorted(set(concurrencies)):
+        async with anyio.create_task_group() as tg:
+            for i in range(c):
+                tg.start_soon(one, prompts[i % len(prompts)])
+
+
+def spec_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    d = {k: after[k] - before[k] for k in COUNTERS}
+    steps = d["num_drafts"]  # steps that verified drafts, summed over requests
+    d["acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None
+    d["mean_acceptance_length"] = (d["num_accepted_tokens"] + steps) / steps if steps else None
+    return d
+
+
+async def run_streams(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, concurrency: int,
+                      desc: str) -> dict[str, Any]:
+    """Runs every prompt with `concurrency` requests in flight at once (1: one after another):
+    each of that many workers takes the next prompt as soon as its request finished."""
+    outputs: list[list[int]] = [[] for _ in prompts]
+    ttft: list[float] = []
+    tpot: list[float] = []
+    spans: list[tuple[float, float]] = []
+    requests: list[list[float]] = []
+    pending = iter(range(len(prompts)))
+    bar = tqdm(total=len(prompts), desc=desc, unit="req", file=sys.stderr, disable=None)
+
+    async def worker() -> None:
+        for i in pending:  # one iterator shared by the workers: each prompt runs once
+            out = None
+            async for out in engine.generate(prompts[i], params):  # noqa: B007 - the last output is kept
+                pass
+            assert out is not None and out.timing is not None
+            outputs[i] = out.token_ids
+            t = out.timing
+            spans.append((t.arrival, time.monotonic()))
+            requests.append([round(x, 3) for x in (ms(t.first_token - t.arrival) if t.first_token else 0.0,
+                                                   ms(spans[-1][1] - t.arrival), len(out.token_ids))])
+            if t.first_token is not None:
+                ttft.append(t.first_token - t.arrival)
+                if t.finished is not None and len(out.token_ids) > 1:
+                    tpot.append((t.finished - t.first_token) / (len(out.token_ids) - 1))
+            bar.update(1)
+
+    before = await engine.stats()
+    started = time.monotonic()
+    with bar:
+        async with anyio.create_task_group() as tg:
+            for _ in range(min(concurrency, len(prompts))):
+                tg.start_soon(worker)
+    elapsed = time.monotonic() - started
+    after = await engine.stats()
+    generated = sum(len(o) for o in outputs)
+    prompt_tokens = sum(len(p) for p in prompts)
+    steps = after["num_steps"] - before["num_steps"]
+    return {
+        "concurrency": concurrency,
+        "num_requests": len(prompts),
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": generated,
+        "elapsed_s": elapsed,
+        "idle_s": idle_time(spans, started, started + elapsed),
+        "tokens_per_s": generated / elapsed,
+        "prefill_tokens_per_s": prompt_tokens / elapsed,
+        "tpot_p50_ms": ms(percentile(tpot, 50)),
+        "tpot_p99_ms": ms(percentile(tpot, 99)),
+        "ttft_p50_ms": ms(percentile(ttft, 50)),
+        "ttft_max_ms": ms(max(ttft, default=None)),
+        "num_steps": steps,
+        "steps_per_s": steps / elapsed,
+        "num_graph_steps": after.get("num_graph_steps", 0) - before.get("num_graph_steps", 0),
+        "spec": spec_delta(before["spec"], after["spec"]),
+        "outputs": outputs,
+        "requests": requests,  # per request, in finishing order: TTFT ms, time in flight ms, tokens
+    }
+
+
+def idle_time(spans: list[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of [start, end] when no request was in flight (between requests at batch 1: what
+    the frontend and the benchmark loop cost, not the engine's steps)."""
+    busy, reach = 0.0, start
+    for lo, hi in sorted(spans):
+        lo, hi = max(lo, reach), min(hi, end)
+        if hi > lo:
+            busy += hi - lo
+            reach = hi
+    return max(0.0, end - start - busy)
+
+
+def identical(a: list[list[int]], b: list[list[int]]) -> int:
+    """How many outputs match token for token (a free correctness signal for greedy runs)."""
+    return sum(x == y for x, y in zip(a, b, strict=True))

@@ -1,0 +1,1 @@
+"""`speckernel serve`: an OpenAI-compatible HTTP server over AsyncEngine."""

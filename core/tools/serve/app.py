@@ -1,0 +1,364 @@
+"""The ASGI app of `speckernel serve`: OpenAI-compatible endpoints over one AsyncEngine.
+
+The engine lives in the server's event loop (started and stopped by the app's lifespan), so a
+request is a coroutine streaming the engine's deltas; nothing crosses a thread. A client that
+disconnects cancels its handler, which leaves `engine.generate(...)` and so aborts the request in
+the core (its KV blocks are freed at once). Errors come back in OpenAI's JSON shape: bad input
+400, a missing or wrong API key 401, a dead engine core 503.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from speckernel import log
+from speckernel.config import EngineConfig
+from speckernel.errors import EngineDeadError, InvalidInputError, SpeckernelError
+from speckernel.frontend.async_engine import AsyncEngine
+from speckernel.outputs import RequestOutput
+from speckernel.tools.serve.metrics import CONTENT_TYPE, ServeMetrics
+from speckernel.tools.serve.protocol import (
+    AssistantMessage,
+    BadRequest,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    Delta,
+    ErrorBody,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TextChoice,
+    Usage,
+    decode,
+    new_id,
+    param_of,
+)
+
+logger = log.get("serve")
+HEALTH_TIMEOUT_S = 10.0
+T = TypeVar("T")
+
+
+class Unauthorized(Exception):
+    pass
+
+
+class ClientLeft(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+def json_response(body: msgspec.Struct, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None,
+                   code: str | None = None) -> Response:
+    return json_response(ErrorResponse(error=ErrorBody(message=message, type=kind, param=param, code=code)), status)
+
+
+def sse(body: msgspec.Struct) -> bytes:
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+async def until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(receive: Receive, work: Callable[[], Awaitable[T]]) -> T:
+    """Runs `work`, cancelling it the moment the client disconnects (then raises ClientLeft)."""
+    box: list[T] = []
+    failure: list[BaseException] = []
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            await until_disconnect(receive)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            box.append(await work())
+        except Exception as e:  # re-raised below, outside the task group (no exception group)
+            failure.append(e)
+        tg.cancel_scope.cancel()
+    if failure:
+        raise failure[0]
+    if not box:
+        raise ClientLeft
+    return box[0]
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that stop the moment the client disconnects, whatever the ASGI
+    version: the body iterator is cancelled then, not at the next write."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def stream() -> None:
+                try:
+                    await self.stream_response(send)
+                except OSError:  # the client left while a chunk was being written
+                    pass
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stream)
+            await until_disconnect(receive)
+            tg.cancel_scope.cancel()
+
+
+class Server:
+    def __init__(self, config: EngineConfig, api_key: str | None = None) -> None:
+        self.config = config
+        self.api_key = api_key
+        self.model_name = config.model
+        self.metrics = ServeMetrics()
+        self.created = int(time.time())
+        self._engine: AsyncEngine | None = None
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            raise EngineDeadError("engine is not started")
+        return self._engine
+
+    @asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        async with AsyncEngine(self.config) as engine:
+            self._engine = engine
+            logger.info("serving", model=self.model_name, platform=engine.info.platform,
+                        max_model_len=engine.info.max_model_len, speculator=self.config.speculator)
+            try:
+                yield
+            finally:
+                self._engine = None
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+        ]
+        handlers: dict[Any, Any] = {
+            InvalidInputError: self._bad_request,
+            EngineDeadError: self._engine_dead,
+            Unauthorized: self._unauthorized,
+            ClientLeft: self._client_left,
+        }
+        return Starlette(routes=routes, lifespan=self.lifespan, exception_handlers=handlers)
+
+    # --- errors ------------------------------------------------------------------------------
+
+    async def _bad_request(self, request: Request, exc: Exception) -> Response:
+        self.metrics.requests.labels("invalid").inc()
+        param = exc.param if isinstance(exc, BadRequest) else param_of(str(exc))
+        code = exc.code if isinstance(exc, BadRequest) else None
+        return error_response(400, str(exc), "invalid_request_error", param, code)
+
+    async def _engine_dead(self, request: Request, exc: Exception) -> Response:
+        self.metrics.requests.labels("error").inc()
+        logger.warning("engine_dead", path=request.url.path, error=str(exc))
+        return error_response(503, str(exc), "service_unavailable", code="engine_dead")
+
+    async def _unauthorized(self, request: Request, exc: Exception) -> Response:
+        return error_response(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                              "invalid_request_error", code="invalid_api_key")
+
+    async def _client_left(self, request: Request, exc: Exception) -> Response:
+        return Response(status_code=499)  # nobody reads it; uvicorn drops it
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), self.api_key):
+            raise Unauthorized
+
+    # --- endpoints ---------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        return json_response(ModelList(data=[ModelCard(id=self.model_name, created=self.created)]))
+
+    async def health(self, request: Request) -> Response:
+        try:
+            with anyio.fail_after(HEALTH_TIMEOUT_S):
+                await self.engine.stats()
+        except (EngineDeadError, TimeoutError) as e:
+            status = "dead" if isinstance(e, EngineDeadError) else "unresponsive"
+            return Response(msgspec.json.encode({"status": status, "error": str(e) or status}), 503,
+                            media_type="application/json")
+        info = self.engine.info
+        return Response(msgspec.json.encode({
+            "status": "ok", "model": self.model_name, "platform": info.platform, "dtype": info.dtype,
+            "max_model_len": info.max_model_len, "speculator": self.config.speculator,
+            "num_speculative_tokens": self.config.num_speculative_tokens if self.config.speculator else 0,
+        }), media_type="application/json")
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        stats: dict[str, Any] | None
+        try:
+            with anyio.fail_after(HEALTH_TIMEOUT_S):
+                stats = await self.engine.stats()
+        except (EngineDeadError, TimeoutError):
+            stats = None
+        return Response(self.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    async def chat(self, request: Request) -> Response:
+        self._authorize(request)
+        req = decode(await request.body(), ChatCompletionRequest)
+        assert isinstance(req, ChatCompletionRequest)
+        self._check_model(req.model)
+        if not req.messages:
+            raise BadRequest("messages: expected at least one message", "messages")
+        engine = self.engine
+        ids = engine.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        return await self._serve(request, req, ids, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request)
+        req = decode(await request.body(), CompletionRequest)
+        assert isinstance(req, CompletionRequest)
+        self._check_model(req.model)
+        engine = self.engine
+        if isinstance(req.prompt, str):
+            ids = engine.tokenizer.encode(req.prompt)
+        else:
+            vocab = engine.info.vocab_size
+            if any(not 0 <= t < vocab for t in req.prompt):
+                raise BadRequest(f"prompt: token ids must be in [0, {vocab})", "prompt")
+            ids = list(req.prompt)
+        if not ids:
+            raise BadRequest("prompt: expected a non-empty prompt", "prompt")
+        return await self._serve(request, req, ids, chat=False)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise BadRequest(f"model: unknown model {model!r}; this server serves {self.model_name!r}",
+                             "model", "model_not_found")
+
+    # --- generation --------------------------------------------------------------------------
+
+    async def _serve(self, request: Request, req: ChatCompletionRequest | CompletionRequest, ids: list[int],
+                     *, chat: bool) -> Response:
+        engine = self.engine
+        params = req.sampling_params(len(ids), engine.info.max_model_len, engine.info.vocab_size)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        gen = engine.generate(ids, params, request_id=rid)
+        try:
+            # The first output (or the error) before any header: bad input and a dead core get
+            # their status code, and a client that leaves during prefill aborts at once.
+            first = await unless_disconnected(request.receive, gen.__anext__)
+        except StopAsyncIteration:  # pragma: no cover - generate always yields a final output
+            first = None
+        except BaseException as e:
+            await gen.aclose()
+            if isinstance(e, ClientLeft):
+                self.metrics.finished("abort", len(ids), None)
+            raise
+        if req.stream:
+            return EventStream(self._events(gen, first, req, rid, len(ids), chat))
+        async with aclosing(gen):
+            last = first
+
+            async def rest() -> RequestOutput | None:
+                out = first
+                async for out in gen:  # noqa: B007 - the last output is the answer
+                    pass
+                return out
+
+            try:
+                if first is not None and not first.finished:
+                    last = await unless_disconnected(request.receive, rest)
+            except ClientLeft:
+                self.metrics.finished("abort", len(ids), None)
+                raise
+        assert last is not None
+        self.metrics.finished(last.finish_reason or "stop", len(ids), last)
+        usage = Usage.of(len(ids), len(last.token_ids))
+        if chat:
+            choice = ChatChoice(index=0, message=AssistantMessage(content=last.text), finish_reason=last.finish_reason)
+            return json_response(ChatCompletion(id=rid, model=self.model_name, choices=[choice], usage=usage,
+                                                created=int(time.time())))
+        text = TextChoice(index=0, text=last.text, finish_reason=last.finish_reason)
+        return json_response(Completion(id=rid, model=self.model_name, created=int(time.time()),
+                                        choices=[text], usage=usage))
+
+    async def _events(self, gen: AsyncIterator[RequestOutput], first: RequestOutput | None,
+                      req: ChatCompletionRequest | CompletionRequest, rid: str, prompt_len: int,
+                      chat: bool) -> AsyncIterator[bytes]:
+        """SSE chunks in OpenAI's shape; leaving early (the client disconnected) aborts the request."""
+        created = int(time.time())
+        last: RequestOutput | None = None
+        outcome = "abort"
+
+        def chunk(text: str | None, finish: str | None, role: str | None = None) -> bytes:
+            if chat:
+                delta = Delta(role=role, content=text)
+                return sse(ChatCompletionChunk(id=rid, model=self.model_name, created=created,
+                                               choices=[ChatChunkChoice(index=0, delta=delta, finish_reason=finish)]))
+            return sse(Completion(id=rid, model=self.model_name, created=created,
+                                  choices=[TextChoice(index=0, text=text or "", finish_reason=finish)]))
+
+        async def outputs() -> AsyncIterator[RequestOutput]:
+            if first is not None:
+                yield first
+            if first is None or not first.finished:
+                async for out in gen:
+                    yield out
+
+        try:
+            async with aclosing(gen):  # type: ignore[type-var]
+                if chat:
+                    yield chunk("", None, role="assistant")
+                try:
+                    async for out in outputs():
+                        last = out
+                        if out.delta_text:
+                            yield chunk(out.delta_text, None)
+                        if out.finished:
+                            yield chunk(None if chat else "", out.finish_reason)
+                except SpeckernelError as e:  # the core died mid-stream: say so, then end the stream
+                    outcome = "error"
+                    kind = "service_unavailable" if isinstance(e, EngineDeadError) else "server_error"
+                    yield sse(ErrorResponse(error=ErrorBody(message=str(e), type=kind)))
+                    yield DONE
+                    return
+            outcome = (last.finish_reason if last is not None else None) or "stop"
+            if req.include_usage:
+                usage = Usage.of(prompt_len, len(last.token_ids) if last is not None else 0)
+                body = (ChatCompletionChunk(id=rid, model=self.model_name, created=created, choices=[], usage=usage)
+                        if chat else Completion(id=rid, model=self.model_name, created=created, choices=[],
+                                                usage=usage))
+                yield sse(body)
+            yield DONE
+        finally:
+            self.metrics.finished(outcome, prompt_len, last)
+
+
+def build_app(config: EngineConfig, api_key: str | None = None) -> Starlette:
+    return Server(config, api_key).app()

@@ -1,0 +1,1 @@
+"""`speckernel train-drafter`: the target's own answers, then a learned drafter trained on them."""

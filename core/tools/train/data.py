@@ -1,0 +1,199 @@
+"""Self-distillation data for drafters: the target answers prompts through the engine itself, and
+its hidden states, KV rows and greedy predictions over those answers become `TrainBatch`es.
+
+Sequences are stored as token ids only (`Sequences`, one .npz); what the target computes over
+them is recomputed per batch by a dense forward (`TargetFeatures`), which on a GPU costs less
+than reading it back from disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from speckernel.models.llama import LlamaModel
+from speckernel.ops.paged_attention import AttentionMetadata
+from speckernel.plugin import TargetModel, TrainBatch
+
+
+@dataclass
+class Sequences:
+    """Token sequences (prompt, then the target's answer) packed flat."""
+
+    tokens: np.ndarray
+    """[N] int32, every sequence back to back."""
+    offsets: np.ndarray
+    """[S + 1] int64."""
+    prompt_lens: np.ndarray
+    """[S] int64: the leading tokens of each sequence that the target did not write."""
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    def get(self, i: int) -> tuple[np.ndarray, int]:
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]], int(self.prompt_lens[i])
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:  # np.savez would append .npz to a name without it
+            np.savez_compressed(f, tokens=self.tokens, offsets=self.offsets, prompt_lens=self.prompt_lens)
+
+    @classmethod
+    def load(cls, path: Path) -> Sequences:
+        with np.load(path) as z:
+            return cls(z["tokens"], z["offsets"], z["prompt_lens"])
+
+    @classmethod
+    def concat(cls, parts: list[Sequences]) -> Sequences:
+        sizes = np.cumsum([0] + [int(p.offsets[-1]) for p in parts])
+        offsets = np.concatenate([[0]] + [p.offsets[1:] + base for p, base in zip(parts, sizes, strict=False)])
+        return cls(np.concatenate([p.tokens for p in parts]), offsets.astype(np.int64),
+                   np.concatenate([p.prompt_lens for p in parts]))
+
+    def select(self, rows: np.ndarray) -> Sequences:
+        parts = [self.get(int(i))[0] for i in rows]
+        offsets = np.concatenate([[0], np.cumsum([len(s) for s in parts])]).astype(np.int64)
+        tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+        return Sequences(tokens.astype(np.int32), offsets, self.prompt_lens[rows])
+
+    def split(self, fraction: float) -> tuple[Sequences, Sequences]:
+        """(kept, held out), about `fraction` held out. A hash of the prompt decides, so every
+        answer to one prompt (the greedy one, sampled ones) lands on the same side, whatever the
+        order of the files: a held-out figure measures prompts training never saw."""
+        def share(i: int) -> float:
+            seq, prompt_len = self.get(i)
+            digest = hashlib.blake2b(seq[:prompt_len].astype(np.int32).tobytes(), digest_size=8).digest()
+            return int.from_bytes(digest, "little") / 2**64
+
+        held = np.array([share(i) < fraction for i in range(len(self))], bool)
+        return self.select(np.flatnonzero(~held)), self.select(np.flatnonzero(held))
+
+    @classmethod
+    def pack(cls, pairs: list[tuple[list[int], list[int]]]) -> Sequences:
+        seqs = [p + a for p, a in pairs]
+        offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
+        tokens = np.fromiter((t for s in seqs for t in s), np.int32, int(offsets[-1]))
+        return cls(tokens, offsets, np.array([len(p) for p, _ in pairs], np.int64))
+
+
+def generate(config: Any, conversations: list[list[dict[str, str]]], max_tokens: int,
+             concurrency: int = 256, temperature: float = 0.0, seed: int = 0,
+             seconds: float | None = None) -> Sequences:
+    """The target's answer to every conversation, through the engine (any platform): greedy, or
+    sampled at `temperature` (more varied text; the labels stay the target's greedy tokens).
+    With `seconds` (counted from when the engine is up), conversations not started by then are
+    left out (answers under way finish), so a time-boxed run keeps what it made."""
+    from speckernel.frontend.async_engine import AsyncEngine
+    from speckernel.sampling_params import SamplingParams
+
+    async def run() -> list[tuple[list[int], list[int]]]:
+        pairs: list[tuple[list[int], list[int]]] = [([], []) for _ in conversations]
+        async with AsyncEngine(config) as engine:
+            deadline = math.inf if seconds is None else time.monotonic() + seconds  # start-up not counted
+            limit = anyio.Semaphore(concurrency)
+            bar = tqdm(total=len(conversations), desc="generating answers", unit="prompt", file=sys.stderr,
+                       disable=None)
+
+            async def one(i: int) -> None:
+                params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                        seed=seed + i if temperature else None)
+                async with limit:
+                    if time.monotonic() > deadline:
+                        return
+                    prompt = engine.encode_chat(conversations[i])
+                    prompt = prompt[: max(1, engine.info.max_model_len - max_tokens - 1)]
+                    answer: list[int] = []
+                    async for out in engine.generate(prompt, params):
+                        answer = out.token_ids
+                    pairs[i] = (prompt, answer)
+                bar.update(1)
+
+            with bar:
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(conversations)):
+                        tg.start_soon(one, i)
+        return pairs
+
+    return Sequences.pack([pair for pair in anyio.run(run) if pair[0]])
+
+
+class DenseCausalAttention:
+    """An attention backend for whole equal-length sequences in a batch [B, T] (training): causal
+    SDPA, no cache; it keeps the (roped) K and V of the layers asked for."""
+
+    def __init__(self, batch: int, length: int, keep: tuple[int, ...]) -> None:
+        self.batch, self.length, self.keep = batch, length, keep
+        self.layer = 0
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        b, t = self.batch, self.length
+        q4, k4, v4 = (x.view(b, t, x.shape[1], x.shape[2]) for x in (q, k, v))
+        if self.layer in self.keep:
+            self.kept[self.layer] = (k4, v4)
+        self.layer += 1
+        out = F.scaled_dot_product_attention(q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2),
+                                             is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b * t, q.shape[1], q.shape[2])
+
+
+class TargetFeatures:
+    """Runs the frozen target densely over a batch of sequences and packs what drafters train on."""
+
+    def __init__(self, model: LlamaModel, hidden_layers: tuple[int, ...], kv_layers: tuple[int, ...]) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.hidden_layers, self.kv_layers = hidden_layers, kv_layers
+        cfg = model.cfg
+        device = model.embed.weight.device
+        self.dummy_kv = torch.zeros(cfg.num_layers, 2, 1, cfg.num_kv_heads, cfg.head_dim, device=device)
+        self.target = TargetModel(cfg, model.embed, model.norm, model.logits, None)
+
+    @torch.no_grad()
+    def batch(self, tokens: torch.Tensor, mask: torch.Tensor, label_chunk: int = 8192) -> TrainBatch:
+        b, t = tokens.shape
+        device = tokens.device
+        backend = DenseCausalAttention(b, t, self.kv_layers)
+        positions = torch.arange(t, device=device).repeat(b)
+        meta = AttentionMetadata(positions=positions, slot_mapping=positions, token_rows=positions,
+                                 query_start=positions, seq_lens=positions, block_tables=positions[None],
+                                 max_query_len=t, backend=backend)  # type: ignore[arg-type]
+        final, captured = self.model.forward_with_hidden(tokens.reshape(-1), self.dummy_kv, meta, self.hidden_layers)
+        labels = torch.cat([self.model.logits(chunk).argmax(-1) for chunk in final.split(label_chunk)])
+        return TrainBatch(tokens=tokens, labels=labels.view(b, t), mask=mask,
+                          hidden={layer: h.view(b, t, -1) for layer, h in captured.items()},
+                          kv=backend.kept, target=self.target)
+
+
+def batches(data: Sequences, batch_size: int, length: int, rng: np.random.Generator,
+            device: torch.device) -> Any:
+    """Endless random batches [B, length]: each row one sequence (cut to length, right-padded);
+    the mask covers the answer's positions whose next token the target wrote, not the padding."""
+    while True:
+        pick = rng.integers(len(data), size=batch_size)
+        tokens = np.zeros((batch_size, length), np.int64)
+        mask = np.zeros((batch_size, length), bool)
+        for row, i in enumerate(pick):
+            seq, prompt_len = data.get(int(i))
+            seq = seq[:length]
+            tokens[row, : len(seq)] = seq
+            mask[row, max(prompt_len - 1, 0) : len(seq) - 1] = True
+        yield torch.from_numpy(tokens).to(device), torch.from_numpy(mask).to(device)
+
+
+def label_counts(data: Sequences, vocab_size: int) -> torch.Tensor:
+    """How often each token appears in the target's answers (what a draft vocabulary keeps)."""
+    answers = np.concatenate([seq[prompt_len:] for seq, prompt_len in map(data.get, range(len(data)))]
+                             or [np.zeros(0, np.int32)])
+    return torch.from_numpy(np.bincount(answers, minlength=vocab_size)[:vocab_size].astype(np.int64))

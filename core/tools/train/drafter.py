@@ -1,0 +1,391 @@
+"""`speckernel train-drafter`: trains a learned drafter for a target by self-distillation.
+
+1. Data: the target answers a prompt corpus through the engine (`--prompts FILE`, else the
+   built-in corpus of `speckernel.tools.train.corpus`, which never draws on HumanEval, the evaluation
+   set). The answers are kept as token ids (`--data`, reused when it exists).
+2. Training: the frozen target runs densely over random batches of those sequences; the
+   drafter learns its greedy predictions from its hidden states (or KV rows) with the method's
+   own loss (chained runs for mtp/eagle3, anchor blocks for dflash/dspark/causal_cascade).
+   Several `--method`s train at once on the same batches: the target's forward, the larger
+   part of a step, runs once for all of them, and each learns exactly what it would alone.
+3. Output: `--out` holds `config.json` + `model.safetensors` (what `--draft-model` loads), a
+   resumable `state.pt` written every `--save-every` steps, `train_log.json` and `loss.png`.
+   Running the same command again resumes where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from speckernel.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from speckernel.tools.train.data import Sequences
+
+LEARNED = ("mtp", "eagle3", "dflash", "dspark", "causal_cascade")
+
+
+def add_arguments(sub: Any) -> None:
+    p = sub.add_parser("train-drafter", help="train a learned drafter (mtp, eagle3, dflash, dspark, causal_cascade)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--method", required=True, choices=LEARNED, action="append",
+                   help="repeatable: several methods train at once on the same batches, sharing one forward of "
+                        "the target per batch (--out and --init then hold a folder per method)")
+    p.add_argument("--target", default="smollm2-135m", help="built-in name, GGUF file or safetensors folder")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder (default: drafters/METHOD; with several methods, drafters/ holding one "
+                        "folder per method)")
+    p.add_argument("--data", type=Path, action="append", default=None,
+                   help="token data (.npz, repeatable: concatenated); generated from the prompts when missing "
+                        "(default: OUT/../data.npz)")
+    p.add_argument("--shard", default="0/1", metavar="I/N",
+                   help="generate only every N-th prompt from the I-th (several GPUs, one process each)")
+    p.add_argument("--prompts", type=Path, action="append", default=None,
+                   help="JSON Lines of {\"messages\": [...]} (repeatable: concatenated; default: the built-in "
+                        "corpus)")
+    p.add_argument("--num-prompts", type=int, default=6000, help="prompts drawn from the built-in corpus")
+    p.add_argument("--max-tokens", type=int, default=256, help="answer length when generating data")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample the answers (more varied data; labels stay the target's greedy tokens)")
+    p.add_argument("--generate-only", action="store_true", help="write the data and stop")
+    p.add_argument("--concurrency", type=int, default=256, help="answers generated at once")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="KV cache for generating data (default: sized from free memory; set it to run "
+                        "several generating processes on one GPU)")
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps in all (a resumed run continues)")
+    p.add_argument("--minutes", type=float, default=0.0,
+                   help="stop after this long and save (0: no limit); when generating data, prompts not "
+                        "started by then are left out")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence (longer ones are cut)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--holdout", type=float, default=0.02,
+                   help="share of the prompts kept out of training (chosen by a hash of the prompt, so every "
+                        "answer to one prompt is on the same side) to measure the drafter on; 0: none")
+    p.add_argument("--eval-every", type=int, default=200,
+                   help="steps between measurements on the held-out prompts (val_* in train_log.json and "
+                        "loss.png), and one at the end")
+    p.add_argument("--eval-batches", type=int, default=4, help="batches per held-out measurement (fixed ones)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--platform", default=None, help="platform for generating data (default: best available)")
+    p.add_argument("--device", default=None, help="torch device for training (default: cuda if present)")
+    p.add_argument("--init", type=Path, default=None, metavar="DIR",
+                   help="start from this checkpoint's weights (e.g. a shipped drafter) instead of random ones; "
+                        "its architecture replaces the defaults (with several methods: a folder holding one "
+                        "checkpoint folder per method)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a field of the drafter's default architecture (e.g. num_layers=1); with "
+                        "several --method, it applies to every one of them")
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise InvalidInputError(f"--set: expected FIELD=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        out[key] = json.loads(value) if value[:1] in "[{0123456789-.tf" else value
+        if isinstance(out[key], list):
+            out[key] = tuple(out[key])
+    return out
+
+
+def load_data(args: argparse.Namespace, out: Path) -> Sequences:
+    import numpy as np
+
+    from speckernel.tools.train.data import Sequences, generate
+
+    paths = args.data or [out.parent / "data.npz"]
+    if all(p.exists() for p in paths):
+        data = Sequences.concat([Sequences.load(p) for p in paths])
+        print(f"train-drafter: {len(data)} sequences from {', '.join(map(str, paths))}", file=sys.stderr)
+        return data
+    if len(paths) > 1:
+        raise InvalidInputError(f"--data: {', '.join(str(p) for p in paths if not p.exists())} missing; "
+                                "data is generated into one file")
+    path = paths[0]
+    from speckernel.config import EngineConfig
+    from speckernel.tools.train.corpus import build_corpus, read_corpus
+
+    conversations = [c for f in args.prompts for c in read_corpus(f)] if args.prompts \
+        else build_corpus(args.num_prompts, seed=args.seed)
+    index, _, count = args.shard.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise InvalidInputError(f"--shard: expected I/N with 0 <= I < N, got {args.shard!r}")
+    conversations = conversations[int(index) :: int(count)]
+    if not conversations:
+        raise InvalidInputError("the prompt corpus is empty")
+    kv_bytes = None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30)
+    config = EngineConfig(model=args.target, platform=args.platform, max_num_seqs=args.concurrency,
+                          max_model_len=2048, kv_cache_bytes=kv_bytes, log_level="warning").validate()
+    started = time.monotonic()
+    data = generate(config, conversations, args.max_tokens, concurrency=args.concurrency,
+                    temperature=args.temperature, seed=args.seed, seconds=60 * args.minutes or None)
+    data.save(path)
+    answered = int((np.diff(data.offsets) - data.prompt_lens).sum())
+    missing = len(conversations) - len(data)
+    left = f" ({missing} prompts left out at the time limit)" if missing else ""
+    print(f"train-drafter: {len(data)} answers, {answered} tokens in {time.monotonic() - started:.0f} s "
+          f"-> {path}{left}", file=sys.stderr)
+    return data
+
+
+def lr_at(step: int, args: argparse.Namespace, elapsed_s: float) -> float:
+    """Linear warm-up, then cosine decay to a tenth over --steps or --minutes, whichever ends first."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    done = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+    if args.minutes:
+        done = max(done, min(1.0, elapsed_s / (60 * args.minutes)))
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
+
+
+@dataclass
+class MethodRun:
+    """One method's training: its drafter, optimizer, log and folder."""
+
+    method: str
+    cls: Any
+    drafter: Any
+    optimizer: Any
+    params: list[Any]
+    out: Path
+    log: list[dict[str, float]] = field(default_factory=list)
+    step: int = 0
+
+    def save_state(self) -> None:
+        import torch
+
+        torch.save({"model": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
+                    "log": self.log}, self.out / "state.tmp")
+        (self.out / "state.tmp").replace(self.out / "state.pt")
+
+
+def evaluate(runs: list[MethodRun], features: Any, held: list[Any], device: Any) -> None:
+    """Each run's loss and figures on the fixed held-out batches, added to its last log entry as
+    val_*. Seeded per batch (the same anchors every time, alone or beside other methods), inside a
+    forked RNG, so measuring changes nothing that training draws next."""
+    import torch
+
+    sums: dict[str, dict[str, float]] = {r.method: {} for r in runs}
+    for r in runs:
+        r.drafter.eval()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        for i, (tokens, mask) in enumerate(held):
+            batch = features.batch(tokens, mask)
+            for r in runs:
+                torch.manual_seed(i)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                    loss, metrics = r.drafter.loss(batch)
+                for k, v in {"loss": float(loss), **metrics}.items():
+                    sums[r.method][k] = sums[r.method].get(k, 0.0) + float(v) / len(held)
+    for r in runs:
+        r.drafter.train()
+        r.log[-1].update({f"val_{k}": v for k, v in sums[r.method].items()})
+
+
+def method_folders(args: argparse.Namespace) -> dict[str, tuple[Path, Path | None]]:
+    """Each method's output folder and --init checkpoint: --out and --init themselves for one
+    method, a METHOD folder inside each for several."""
+    methods = list(dict.fromkeys(args.method))
+    if len(methods) == 1:
+        return {methods[0]: (args.out or Path("drafters") / methods[0], args.init)}
+    base = args.out or Path("drafters")
+    return {m: (base / m, None if args.init is None else args.init / m) for m in methods}
+
+
+def start_method(args: argparse.Namespace, method: str, out: Path, init: Path | None, target_cfg: Any,
+                 data: Sequences, device: Any) -> MethodRun:
+    """A method's drafter: new (seeded), from --init, or resumed from its folder's state.pt."""
+    import msgspec
+    import torch
+
+    from speckernel import registry
+    from speckernel.tools.train.data import label_counts
+
+    cls = registry.load("speculator", method)
+    overrides = parse_overrides(args.set)
+    if init is not None:
+        saved = msgspec.structs.asdict(cls.read_checkpoint(init, target_cfg))
+        overrides = {**{k: v for k, v in saved.items() if k not in ("method", "target")}, **overrides}
+    torch.manual_seed(args.seed)  # the same drafter whether it trains alone or beside others
+    drafter = cls.new_drafter(target_cfg, args.seq_len + 32, **overrides).to(device)
+    if init is not None:
+        from safetensors.torch import load_file
+
+        drafter.load_state_dict(load_file(str(init / "model.safetensors"), device=str(device)))
+    elif hasattr(drafter, "fit_vocab"):
+        drafter.fit_vocab(label_counts(data, target_cfg.vocab_size))
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    run = MethodRun(method, cls, drafter, optimizer, params, out)
+    if (out / "state.pt").exists():  # resume
+        state = torch.load(out / "state.pt", map_location=device, weights_only=False)
+        drafter.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        run.step, run.log = state["step"], state["log"]
+        print(f"train-drafter: resuming {method} at step {run.step}", file=sys.stderr)
+    return run
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Trains every --method on the same batches, one forward of the target per batch for all of
+    them. Returns the summary of the one method, or {"methods": {method: summary}} for several."""
+    import msgspec
+    import numpy as np
+    import torch
+    from tqdm import tqdm
+
+    from speckernel.models.builtin import resolve
+    from speckernel.models.loader import load_model, read_config
+    from speckernel.tools.train.data import TargetFeatures, batches
+
+    if args.minutes < 0:
+        raise InvalidInputError(f"--minutes: expected >= 0, got {args.minutes}")
+    if not 0 <= args.holdout < 1:
+        raise InvalidInputError(f"--holdout: expected a share in [0, 1), got {args.holdout}")
+    if args.eval_every < 1 or args.eval_batches < 1:
+        raise InvalidInputError("--eval-every and --eval-batches: expected >= 1")
+    folders = method_folders(args)
+    for out, _ in folders.values():
+        out.mkdir(parents=True, exist_ok=True)
+    data = load_data(args, next(iter(folders.values()))[0])
+    if args.generate_only:
+        return {"sequences": len(data)}
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = device.type == "cuda"
+    path = resolve(args.target)
+    target_cfg = read_config(path)
+    data, held_data = data.split(args.holdout)
+    if not len(data):
+        raise InvalidInputError(f"--holdout {args.holdout} leaves no sequence to train on")
+    runs = [start_method(args, m, out, init, target_cfg, data, device) for m, (out, init) in folders.items()]
+    target = load_model(path, torch.bfloat16 if on_gpu else torch.float32, device, args.seq_len + 32)
+    features = TargetFeatures(target, tuple(sorted({layer for r in runs for layer in r.drafter.config.target_layers})),
+                              tuple(sorted({layer for r in runs for layer in r.drafter.config.kv_layers})))
+    first = min(r.step for r in runs)
+    held = [] if not len(held_data) else list(itertools.islice(
+        batches(held_data, args.batch_size, args.seq_len, np.random.default_rng([args.seed, 1]), device),
+        args.eval_batches))
+    print(f"train-drafter: training on {len(data)} sequences, {len(held_data)} held out", file=sys.stderr)
+    rng = np.random.default_rng(args.seed + first)
+    stream = batches(data, args.batch_size, args.seq_len, rng, device)
+    started = time.monotonic()
+    name = "+".join(r.method for r in runs)
+    bar = tqdm(total=args.steps, initial=first, desc=f"training {name}", unit="step", file=sys.stderr, disable=None)
+    for r in runs:
+        r.drafter.train()
+    with bar:
+        while any(r.step < args.steps for r in runs):
+            if args.minutes and time.monotonic() - started > 60 * args.minutes:
+                break
+            tokens, mask = next(stream)
+            batch = features.batch(tokens, mask)
+            postfix: dict[str, str] = {}
+            stepped = [r for r in runs if r.step < args.steps]
+            for r in stepped:
+                for group in r.optimizer.param_groups:
+                    group["lr"] = lr_at(r.step, args, time.monotonic() - started)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
+                    loss, metrics = r.drafter.loss(batch)
+                r.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(r.params, 1.0)
+                r.optimizer.step()
+                r.step += 1
+                entry = {"step": r.step, "loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+                r.log.append(entry)
+                if len(runs) == 1:
+                    postfix.update({k: f"{v:.3f}" for k, v in entry.items() if k != "step"})
+                else:
+                    postfix[r.method] = f"{entry['loss']:.3f}"
+            due = [r for r in stepped if r.step % args.eval_every == 0]
+            if held and due:
+                evaluate(due, features, held, device)
+            for r in stepped:
+                if r.step % args.save_every == 0:
+                    r.save_state()
+            bar.set_postfix(postfix)
+            bar.update(1)
+    elapsed = time.monotonic() - started
+    last = [r for r in runs if r.log and "val_loss" not in r.log[-1]]
+    if held and last:
+        evaluate(last, features, held, device)
+    summaries = {}
+    for r in runs:
+        r.save_state()
+        r.cls.save(r.out, r.drafter)
+        n_params = sum(p.numel() for p in r.params)
+        summary = {"method": r.method, "steps": r.step, "parameters": n_params, "seconds": elapsed,
+                   "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr, "sequences": len(data),
+                   "held_out": len(held_data), "trained_with": [x.method for x in runs],
+                   "config": msgspec.to_builtins(r.drafter.config), "final": r.log[-1] if r.log else {},
+                   "device": str(device)}
+        (r.out / "train_log.json").write_text(train_log_text(summary, r.log))
+        plot_loss(r.log, r.out / "loss.png", r.method)
+        print(f"train-drafter: {r.method} {r.step} steps, {n_params / 1e6:.1f}M parameters -> {r.out}",
+              file=sys.stderr)
+        summaries[r.method] = summary
+    return summaries[runs[0].method] if len(runs) == 1 else {"methods": summaries}
+
+
+def train_log_text(summary: dict[str, Any], log: list[dict[str, float]]) -> str:
+    """train_log.json: the summary, then one line per step with its figures to 5 decimals, so the
+    log of a run of thousands of steps stays small enough to keep beside its checkpoint."""
+    steps = ",\n  ".join(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in e.items()})
+                         for e in log)
+    return f'{{"summary": {json.dumps(summary, indent=1)},\n "log": [\n  {steps}\n ]\n}}\n'
+
+
+def plot_loss(log: list[dict[str, float]], path: Path, title: str) -> None:
+    if not log:
+        return
+    try:
+        import matplotlib
+    except ImportError:
+        print("train-drafter: matplotlib not installed, no loss.png (pip install 'speckernel[bench]')",
+              file=sys.stderr)
+        return
+    import numpy as np
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [e["step"] for e in log]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    window = max(1, len(log) // 50)
+    smooth = np.convolve([e["loss"] for e in log], np.ones(window) / window, mode="valid")
+    ax.plot(steps[window - 1 :], smooth, color="C0", label="loss")
+    measured = [e for e in log if "val_loss" in e]  # held-out figures: markers in the train curves' colours
+    if measured:
+        ax.plot([e["step"] for e in measured], [e["val_loss"] for e in measured], marker="o", markersize=3,
+                color="C0", linestyle=":", label="held-out loss")
+        ax.legend(loc="upper left", fontsize="small")
+    accs = sorted({k for e in log for k in e if k.startswith("acc")})
+    if accs:
+        ax2 = ax.twinx()
+        for i, k in enumerate(accs, start=1):
+            values = np.convolve([e.get(k, 0.0) for e in log], np.ones(window) / window, mode="valid")
+            ax2.plot(steps[window - 1 :], values, color=f"C{i}", linestyle="--", label=k)
+            if measured:
+                ax2.plot([e["step"] for e in measured], [e.get(f"val_{k}", np.nan) for e in measured], marker="o",
+                         markersize=3, linestyle=":", color=f"C{i}")
+        ax2.set_ylabel("top-1 accuracy (dots: held out)")
+        ax2.set_ylim(0, 1)
+        ax2.legend(loc="center right", fontsize="small")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"{title}: training loss")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,1 @@
+"""The wire between frontend and core: msgspec messages and their zero-copy codec."""

@@ -1,0 +1,91 @@
+"""The speculation governor: drafting stays on where it pays and turns itself off where it does
+not, per batch size, still probing the other way now and then; greedy output never changes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from speckernel.config import EngineConfig
+from speckernel.engine.core import EngineCore
+from speckernel.kernel.spec_governor import SpecGovernor, bucket
+from speckernel.sampling_params import SamplingParams
+from speckernel.wire.messages import AddRequest
+
+
+def drive(gov: SpecGovernor, rows: int, drafted_rate: float, plain_rate: float, steps: int) -> list[bool]:
+    """Schedules `steps` steps; each reports the rate of its kind."""
+    decisions = []
+    for _ in range(steps):
+        allowed = gov.allow(rows)
+        decisions.append(allowed)
+        gov.record(rows, allowed, tokens=int(100 * (drafted_rate if allowed else plain_rate)), seconds=100.0)
+    return decisions
+
+
+def test_buckets_group_batch_sizes_that_cost_alike() -> None:
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 64)] == [1, 2, 4, 4, 8, 8, 16, 64]
+
+
+def test_drafting_stays_on_while_it_pays_and_probes_plain_steps() -> None:
+    gov = SpecGovernor(explore_every=8)
+    decisions = drive(gov, 1, drafted_rate=3.0, plain_rate=1.0, steps=64)
+    assert decisions[0], "drafting is measured first"
+    assert not all(decisions[:16]) and any(decisions[:16]), "both kinds are measured first"
+    assert sum(decisions[16:]) >= 40 and not all(decisions[16:]), "then mostly drafting, with plain probes"
+
+
+def test_drafting_turns_off_where_it_does_not_pay_and_probes_back() -> None:
+    gov = SpecGovernor(explore_every=8)
+    decisions = drive(gov, 64, drafted_rate=0.5, plain_rate=1.0, steps=64)
+    assert sum(decisions[16:]) <= 6, "off once both rates are known"
+    assert any(decisions[16:]), "but it still drafts now and then, to notice when drafts pay again"
+    assert gov.num_vetoed >= 40
+
+
+def test_batch_sizes_decide_apart() -> None:
+    gov = SpecGovernor(explore_every=8)
+    for _ in range(64):
+        for rows, drafted in ((1, 3.0), (64, 0.5)):
+            allowed = gov.allow(rows)
+            gov.record(rows, allowed, tokens=int(100 * (drafted if allowed else 1.0)), seconds=100.0)
+    assert gov.allow(1) or gov.allow(1), "batch 1 drafts"
+    assert sum(gov.allow(64) for _ in range(8)) <= 2, "batch 64 mostly does not"
+
+
+def test_within_margin_drafting_stays_on() -> None:
+    gov = SpecGovernor(margin=0.1, explore_every=1000)
+    decisions = drive(gov, 4, drafted_rate=0.93, plain_rate=1.0, steps=40)
+    assert all(decisions[16:])
+
+
+def test_engine_output_is_the_same_whatever_the_governor_decides() -> None:
+    """A governor told that drafting pays (or never does) changes how many drafts run, never
+    the greedy tokens."""
+    rng = np.random.default_rng(5)
+    prompts = [(rng.integers(0, 40, 6).tolist() * 4)[: 10 + 2 * i] for i in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run(pays: bool | None = None, **kw: object) -> tuple[dict[int, list[int]], EngineCore]:
+        core = EngineCore(EngineConfig(model="random:tiny", platform="cpu", dtype="float32", max_model_len=128,
+                                       max_num_seqs=4, num_kv_blocks=64, **kw))  # type: ignore[arg-type]
+        if core.governor is not None:
+            gov = core.governor
+            gov.min_samples, gov.explore_every = 2, 64  # a short run: decide early
+            gov.record = lambda rows, verified, tokens, seconds: SpecGovernor.record(  # type: ignore[method-assign]
+                gov, rows, verified, 3 if verified == pays else 1, 1.0)
+        for key, p in enumerate(prompts):
+            assert core.add_request(AddRequest(key, p, params)) is None
+        out: dict[int, list[int]] = {key: [] for key in range(len(prompts))}
+        while core.scheduler.requests:
+            for delta in core.step():
+                out[delta.key] += delta.new_token_ids
+        return out, core
+
+    plain, _ = run()
+    spec = {"speculator": "ngram", "num_speculative_tokens": 3, "adaptive_speculation": True}
+    paying, on = run(True, **spec)
+    losing, off = run(False, **spec)
+    assert paying == plain and losing == plain
+    drafted_on, drafted_off = (c.stats()["spec"]["num_draft_tokens"] for c in (on, off))
+    assert drafted_on > 0 and drafted_off < drafted_on / 2, (drafted_on, drafted_off)
+    assert off.stats()["spec"]["num_governor_vetoes"] > 0 and off.stats()["spec"]["num_k0_steps"] > 0

@@ -1,0 +1,132 @@
+"""The fast path on a real GPU: graphs and Triton kernels give the eager path's greedy output in
+float32, and steady-state decode steps launch without a single host synchronisation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from speckernel.config import EngineConfig
+from speckernel.engine.core import EngineCore
+from speckernel.sampling_params import SamplingParams
+from speckernel.wire.messages import AddRequest
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+MAX_TOKENS = 40
+
+
+def prompts(tokenizer, texts: list[str]) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    return [tokenizer.encode(t) for t in texts]
+
+
+def run(core: EngineCore, ids: list[list[int]], params: SamplingParams) -> dict[int, list[int]]:
+    for key, p in enumerate(ids):
+        core.add_request(AddRequest(key, p, params))
+    out: dict[int, list[int]] = {key: [] for key in range(len(ids))}
+    while core.scheduler.requests:
+        for delta in core.step():
+            out[delta.key] += delta.new_token_ids
+    return out
+
+
+def config(eager: bool, **kw: object) -> EngineConfig:
+    return EngineConfig(platform="cuda", dtype="float32", max_model_len=512, max_num_seqs=16, num_kv_blocks=512,
+                        enforce_eager=eager, in_process=True, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [{}, {"speculator": "ngram", "num_speculative_tokens": 4}])
+def test_graphs_give_the_eager_greedy_output_in_float32(model_path: Path, tokenizer, spec: dict) -> None:  # type: ignore[no-untyped-def]
+    from tests.conftest import PROMPTS
+
+    ids = prompts(tokenizer, PROMPTS[:12])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    eager = run(EngineCore(config(True, **spec)), ids, params)
+    core = EngineCore(config(False, **spec))
+    fast = run(core, ids, params)
+    assert core.runner.graphs is not None and core.runner.graphs.num_replays > 0, "graphs ran"
+    assert fast == eager
+
+
+@pytest.mark.slow
+def test_steady_state_decode_launches_without_host_sync(model_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    core = EngineCore(config(False))
+    for key, p in enumerate(prompts(tokenizer, ["The capital of France is", "def fibonacci(n):"])):
+        core.add_request(AddRequest(key, p, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)))
+    for _ in range(4):  # prefill, then the first decode steps
+        core.step()
+    assert core.runner.graphs is not None
+    before = core.runner.graphs.num_replays
+    for _ in range(16):
+        frame = core.scheduler.schedule()
+        assert frame is not None
+        core.ledger.submit(frame)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            pending = core.runner.launch(frame)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        core.ledger.apply(pending.result())
+    assert core.runner.graphs.num_replays - before == 16
+
+
+@pytest.mark.slow
+def test_speculative_requests_run_ahead_without_host_sync(model_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """ngram drafts inside the step: the next step of each request is launched while the
+    current one runs, planned as if every draft is accepted, and no launch of a decode or
+    verification step waits for the device. Greedy output equals the eager engine's."""
+    from collections import deque
+
+    from tests.conftest import PROMPTS
+
+    spec = {"speculator": "ngram", "num_speculative_tokens": 4}
+    ids = prompts(tokenizer, PROMPTS[:4])
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    core = EngineCore(config(False, **spec))
+    assert core.scheduler.spec is not None and core.scheduler.spec.run_ahead
+    for key, p in enumerate(ids):
+        core.add_request(AddRequest(key, p, params))
+    out: dict[int, list[int]] = {key: [] for key in range(len(ids))}
+    in_flight: deque = deque()
+    checked = shifted = 0
+    while core.scheduler.requests or in_flight:
+        while len(in_flight) < 2 and (frame := core.scheduler.schedule()) is not None:
+            core.ledger.submit(frame)
+            decode = all(r.sampling is not None and r.num_tokens == 1 + r.num_drafts for r in frame.rows)
+            if decode:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                in_flight.append((frame, core.runner.launch(frame)))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            checked += decode
+            shifted += sum(r.shifted for r in frame.rows)
+        frame, pending = in_flight.popleft()
+        for delta in core._apply(pending.result(), frame):
+            out[delta.key] += delta.new_token_ids
+    assert checked > 20 and shifted > 10
+    assert core.stats()["spec"]["num_host_draft_copies"] == 0
+    assert out == run(EngineCore(config(True, **spec)), ids, params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,k", [("mtp", 3), ("eagle3", 5), ("dflash", 7), ("dspark", 7), ("causal_cascade", 7)])
+def test_learned_drafters_accept_as_much_alone_as_in_a_batch(name: str, k: int, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """A drafter's passes see one row at batch 1 and many in a batch; they must draft the same.
+    (Batch 1 once read a row's context length past a stride-0 view: block drafters accepted
+    next to nothing there, and only there.)"""
+    from tests.conftest import PROMPTS, run_to_completion
+
+    ids = prompts(tokenizer, PROMPTS[:8])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    batched = EngineCore(config(False, speculator=name, num_speculative_tokens=k))
+    together = run_to_completion(batched, ids, params)
+    alone_core = EngineCore(config(False, speculator=name, num_speculative_tokens=k))
+    alone = [run_to_completion(alone_core, [p], params)[0] for p in ids]
+    assert alone == together
+    a, b = alone_core.stats()["spec"], batched.stats()["spec"]
+    assert a["num_accepted_tokens"] > 0
+    assert abs(a["mean_acceptance_length"] - b["mean_acceptance_length"]) < 0.1 * b["mean_acceptance_length"], (a, b)

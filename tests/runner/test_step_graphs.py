@@ -1,0 +1,312 @@
+"""Padded, replayed steps (what device graphs run) equal plain eager steps, token for token.
+
+The CPU has no device graphs, so the graph here is a double that replays the captured call on
+the metadata it was captured with: exactly what a real graph does with its captured tensor
+addresses. What it proves is the part that is the project's: the host refills the plan
+buffer at the captured offsets, padding rows and tokens write no KV and no token a request
+reads, buckets are picked right, and a step's outputs reach the ledger unchanged. Attention
+runs the project's Triton kernels (under the interpreter without a GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from speckernel.kernel.frame import RowSampling, ScheduledRow, StepFrame
+from speckernel.models.config import ModelConfig
+from speckernel.models.llama import LlamaModel
+from speckernel.ops.paged_attention import AttentionMetadata, TritonPagedAttention
+from speckernel.runner.model_runner import DeviceOutputs, ModelRunner, StepShape
+from speckernel.runner.step_graphs import StepGraphs, row_buckets
+
+# The project's Triton kernels run on the GPU where there is one, in the interpreter elsewhere.
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BLOCK = 16
+TINY = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=16, max_position=96)  # head_dim >= 16: the smallest tl.dot tile on a GPU
+SLOTS, MAX_LEN, K = 5, 64, 2
+
+
+class ReplayGraph:
+    """A DeviceGraph double: replay() runs the captured call again and writes its outputs
+    into the tensors the capture returned, as a real graph writes its static outputs."""
+
+    def __init__(self, call: Callable[[], DeviceOutputs], out: DeviceOutputs) -> None:
+        self.call, self.out = call, out
+
+    def replay(self) -> None:
+        new = self.call()
+        self.out.packed.copy_(new.packed)
+        if self.out.drafts is not None:
+            assert new.drafts is not None
+            self.out.drafts.copy_(new.drafts)
+
+    def pool(self) -> object:
+        return None
+
+
+class ReplayGraphs(StepGraphs):
+    def _record(self, meta: AttentionMetadata, shape: StepShape) -> tuple[ReplayGraph, DeviceOutputs]:
+        out = self.runner.device_step(meta, shape)
+        return ReplayGraph(lambda: self.runner.device_step(meta, shape), out), out
+
+
+class NoGraphPlatform:
+    def graph_capture(self, pool: object | None = None) -> contextlib.AbstractContextManager[object]:
+        raise AssertionError("the double records without the platform")
+
+    def synchronize(self) -> None:
+        pass
+
+
+def runner(graphs: bool, prefill: tuple[int, ...] = ()) -> ModelRunner:
+    torch.manual_seed(0)
+    model = LlamaModel(TINY, MAX_LEN + K + 2).eval().to(DEV)
+    attention = TritonPagedAttention(BLOCK, 64, DEV, max_rows=SLOTS + 1, max_blocks=MAX_LEN // BLOCK + 1)
+    r = ModelRunner(model, DEV, num_blocks=SLOTS * (MAX_LEN // BLOCK), block_size=BLOCK, attention=attention,
+                    num_slots=SLOTS, max_model_len=MAX_LEN, max_k=K, max_num_tokens=64)
+    if graphs:
+        g = ReplayGraphs(r, NoGraphPlatform(), max_rows=SLOTS, ks=(0, K),  # type: ignore[arg-type]
+                         prefill_tokens=prefill)
+        g.capture()
+        r.graphs = g
+    return r
+
+
+def same_kv(eager: ModelRunner, replayed: ModelRunner) -> None:
+    """The same cache slots written (the cache starts at zero), with the same values up to the
+    last bits (a padded batch runs its matmuls with another shape)."""
+    written = eager.kv_cache.abs().sum(-1) != 0
+    assert torch.equal(written, replayed.kv_cache.abs().sum(-1) != 0), "padding wrote no KV slot"
+    torch.testing.assert_close(eager.kv_cache, replayed.kv_cache, rtol=1e-5, atol=1e-5)
+
+
+def blocks(slot: int) -> list[int]:
+    per = MAX_LEN // BLOCK
+    return list(range(slot * per, (slot + 1) * per))
+
+
+def sampling(slot: int, position: int) -> RowSampling:
+    if slot % 2:
+        return RowSampling(temperature=0.9, top_k=0 if slot == 1 else 5, top_p=1.0 if slot == 1 else 0.9,
+                           seed=1000 + slot, position=position)
+    return RowSampling(temperature=0.0, top_k=0, top_p=1.0, seed=0, position=position)
+
+
+def test_row_buckets_cover_every_batch_with_little_padding() -> None:
+    assert row_buckets(1) == [1]
+    assert row_buckets(64)[:5] == [1, 2, 4, 8, 16] and row_buckets(64)[-1] == 64
+    assert row_buckets(100)[-1] == 100 and all(b <= 100 for b in row_buckets(100))
+
+
+@pytest.mark.parametrize("greedy_only", [True, False])
+def test_replayed_padded_steps_equal_eager_steps(greedy_only: bool) -> None:
+    eager, replayed = runner(False), runner(True)
+    rng = np.random.default_rng(1)
+    lens = {0: 5, 1: 9, 2: 3, 3: 17}
+    prompts = {s: rng.integers(0, TINY.vocab_size, n).tolist() for s, n in lens.items()}
+
+    def samp(slot: int, pos: int) -> RowSampling:
+        return sampling(0 if greedy_only else slot, pos)
+
+    frames = [StepFrame(0, [ScheduledRow(s, 0, s, 0, p, blocks(s), samp(s, 0)) for s, p in prompts.items()])]
+    produced = {s: 0 for s in prompts}
+    step = 1
+    # Decode steps with 4, 3, 1 and 2 rows (padded to buckets 4, 4, 1, 2), each reading the
+    # token the previous step sampled from the token buffer.
+    for active in ([0, 1, 2, 3], [0, 2, 3], [1], [2, 3]):
+        rows = []
+        for s in active:
+            produced[s] += 1
+            start = lens[s] + produced[s] - 1
+            rows.append(ScheduledRow(s, 0, s, start, [], blocks(s), samp(s, produced[s]), num_placeholder_inputs=1))
+        frames.append(StepFrame(step, rows))
+        step += 1
+    results = {}
+    for name, r in (("eager", eager), ("replayed", replayed)):
+        out = []
+        for frame in frames:
+            out.append(r.execute(frame))
+        results[name] = out
+    for a, b in zip(results["eager"], results["replayed"], strict=True):
+        assert [(x.key, x.sampled, x.num_accepted, x.error) for x in a.rows] == \
+               [(x.key, x.sampled, x.num_accepted, x.error) for x in b.rows]
+        assert all(x.sampled for x in a.rows)
+    assert replayed.graphs is not None and replayed.graphs.num_replays == 4, "every decode step replayed"
+    same_kv(eager, replayed)
+    assert torch.equal(eager.pool.tokens[:SLOTS, :-1], replayed.pool.tokens[:SLOTS, :-1]), \
+        "padding wrote no token a request reads"
+
+
+@pytest.mark.parametrize("drafts", [(2, 1), (1, 1)])
+def test_replayed_verification_equals_eager_verification(drafts: tuple[int, int]) -> None:
+    eager, replayed = runner(False), runner(True)
+    rng = np.random.default_rng(2)
+    prompts = {0: rng.integers(0, 64, 6).tolist(), 2: rng.integers(0, 64, 11).tolist()}
+    first = StepFrame(0, [ScheduledRow(s, 0, s, 0, p, blocks(s), sampling(s, 0)) for s, p in prompts.items()])
+    outs = {}
+    for name, r in (("eager", eager), ("replayed", replayed)):
+        r.execute(first)
+        # Drafts sit right after each row's sampled token, as a speculator leaves them (they need
+        # not be right: rejections are the point). With (1, 1) the step verifies fewer drafts
+        # than the captured K: the replay pads its columns, the results must not move.
+        r.pool.tokens[0, 7:9] = torch.tensor([3, 4])
+        r.pool.tokens[2, 12] = 9
+        frame = StepFrame(1, [
+            ScheduledRow(0, 0, 0, 6, [], blocks(0), sampling(0, 1), num_draft_slots=drafts[0],
+                         num_placeholder_inputs=1),
+            ScheduledRow(2, 0, 2, 11, [], blocks(2), sampling(2, 1), draft_token_ids=[9][: drafts[1]],
+                         num_placeholder_inputs=1)])
+        outs[name] = r.execute(frame)
+    assert outs["eager"] == outs["replayed"]
+    assert all(0 <= row.num_accepted <= row.num_drafts for row in outs["replayed"].rows)
+    assert replayed.graphs is not None and replayed.graphs.num_replays == 1
+    same_kv(eager, replayed)
+
+
+def test_prefill_and_mixed_steps_run_eagerly_without_prompt_buckets() -> None:
+    r = runner(True)
+    frame = StepFrame(0, [ScheduledRow(0, 0, 0, 0, [1, 2, 3], blocks(0), sampling(0, 0))])
+    r.execute(frame)
+    assert r.graphs is not None and r.graphs.num_replays == 0, "a prefill step is not a captured shape"
+
+
+def test_replayed_prompt_steps_equal_eager_steps() -> None:
+    """One row's prompt pads to the next token bucket: whole prompts, a prompt in two chunks
+    (the first samples nothing, the second starts past position 0), sampled rows; a prompt
+    longer than every bucket and a step of two prompts run eagerly."""
+    eager, replayed = runner(False), runner(True, prefill=(8, 16))
+    rng = np.random.default_rng(4)
+    p = {s: rng.integers(0, TINY.vocab_size, n).tolist() for s, n in ((0, 5), (1, 16), (2, 11), (3, 21), (4, 3))}
+    frames = [
+        StepFrame(0, [ScheduledRow(0, 0, 0, 0, p[0], blocks(0), sampling(0, 0))]),  # bucket 8
+        StepFrame(1, [ScheduledRow(1, 0, 1, 0, p[1], blocks(1), sampling(1, 0))]),  # bucket 16, sampled
+        StepFrame(2, [ScheduledRow(2, 0, 2, 0, p[2][:6], blocks(2), None)]),  # a first chunk: no sampling
+        StepFrame(3, [ScheduledRow(2, 0, 2, 6, p[2][6:], blocks(2), sampling(2, 0))]),  # the rest, from 6
+        StepFrame(4, [ScheduledRow(3, 0, 3, 0, p[3], blocks(3), sampling(3, 0))]),  # 21 > 16: eager
+        StepFrame(5, [ScheduledRow(4, 0, 4, 0, p[4], blocks(4), sampling(4, 0)),  # two rows: eager
+                      ScheduledRow(0, 0, 0, 5, [], blocks(0), sampling(0, 1), num_placeholder_inputs=1)]),
+    ]
+    outs = {name: [r.execute(f) for f in frames] for name, r in (("eager", eager), ("replayed", replayed))}
+    assert outs["eager"] == outs["replayed"]
+    assert [len(row.sampled) for res in outs["replayed"] for row in res.rows] == [1, 1, 0, 1, 1, 1, 1]
+    assert replayed.graphs is not None and replayed.graphs.num_replays == 4, "four one-row prompt steps replayed"
+    same_kv(eager, replayed)
+    assert torch.equal(eager.pool.tokens[:SLOTS, :-1], replayed.pool.tokens[:SLOTS, :-1]), \
+        "padding wrote no token a request reads"
+
+
+def graphs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU platform as a graph platform: Triton kernels (interpreted) and replayed doubles.
+    Greedy graphs only: padding rows of a sampling graph race over garbage, which the
+    interpreter refuses."""
+    import msgspec
+
+    from speckernel.platforms.cpu import CpuPlatform
+
+    if DEV.type != "cpu":
+        pytest.skip("the GPU runs real graphs (tests/test_gpu_fast_path.py)")
+    monkeypatch.setattr(CpuPlatform, "capabilities",
+                        msgspec.structs.replace(CpuPlatform.capabilities, triton=True, supports_graphs=True))
+    monkeypatch.setattr(StepGraphs, "_record", ReplayGraphs._record)
+    monkeypatch.setattr("speckernel.runner.step_graphs.SAMPLING_KINDS", ((True, False),))
+    monkeypatch.setattr("speckernel.runner.step_graphs.PREFILL_BUCKETS", (32,))  # the prompts fit; interpreting is slow
+
+
+@pytest.mark.parametrize("spec", [{}, {"speculator": "ngram", "num_speculative_tokens": 3}])
+def test_engine_with_replayed_graphs_equals_the_eager_engine(spec: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole engine (scheduler, ledger, runner, graphs) on a small random model: replayed
+    decode and verification steps, variable-width drafts included, give the eager tokens."""
+    from speckernel.config import EngineConfig
+    from speckernel.engine.core import EngineCore
+    from speckernel.sampling_params import SamplingParams
+    from speckernel.wire.messages import AddRequest
+
+    graphs_on_the_cpu(monkeypatch)
+    rng = np.random.default_rng(3)
+    # Repetitive prompts, so that ngram finds matches of every length up to K.
+    prompts = [(rng.integers(0, 40, 5).tolist() * 4)[: 9 + 3 * i] for i in range(5)]
+
+    def run(eager: bool) -> tuple[dict[int, list[int]], int]:
+        core = EngineCore(EngineConfig(model="random:tiny", platform="cpu", dtype="float32", max_model_len=96,
+                                       max_num_seqs=4, num_kv_blocks=48, enforce_eager=eager, **spec))
+        for key, p in enumerate(prompts):
+            assert core.add_request(AddRequest(key, p, SamplingParams(max_tokens=9, temperature=0.0,
+                                                                      ignore_eos=True))) is None
+        out: dict[int, list[int]] = {key: [] for key in range(len(prompts))}
+        while core.scheduler.requests:
+            for delta in core.step():
+                assert delta.error is None, delta.error
+                out[delta.key] += delta.new_token_ids
+        return out, core.stats()["num_graph_steps"]
+
+    eager, _ = run(True)
+    replayed, graph_steps = run(False)
+    assert graph_steps > 0
+    assert replayed == eager
+
+
+def drive(core, depth: int) -> tuple[dict[int, list[int]], int]:  # type: ignore[no-untyped-def]
+    """Runs the core like its loop does, with up to `depth` frames in flight; returns each
+    request's tokens and how many rows were planned ahead of their predecessor (shifted)."""
+    from collections import deque
+
+    out: dict[int, list[int]] = {key: [] for key in core.scheduler.requests}
+    in_flight: deque = deque()
+    shifted = 0
+    while core.scheduler.requests or in_flight:
+        while len(in_flight) < depth and (frame := core.scheduler.schedule()) is not None:
+            core.ledger.submit(frame)
+            shifted += sum(row.shifted for row in frame.rows)
+            in_flight.append((frame, core.runner.launch(frame)))
+        frame, pending = in_flight.popleft()
+        for delta in core._apply(pending.result(), frame):
+            assert delta.error is None, delta.error
+            out[delta.key] += delta.new_token_ids
+    return out, shifted
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_run_ahead_speculation_equals_waiting_for_each_step(temperature: float,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a device-only speculator the next step of a speculative request is launched before
+    the accepted counts of the one in flight reach the host: planned as if every draft was
+    accepted, moved back on the device by what was rejected. Its tokens equal those of an
+    engine that waits for every step (seeded sampling included: the sampling index moves back
+    too), greedy ones equal plain decoding, and no draft ID ever reaches the host."""
+    from speckernel.config import EngineConfig
+    from speckernel.engine.core import EngineCore
+    from speckernel.sampling_params import SamplingParams
+    from speckernel.wire.messages import AddRequest
+
+    graphs_on_the_cpu(monkeypatch)  # greedy graphs: sampled steps run eagerly, shifted rows and all
+    rng = np.random.default_rng(5)
+    prompts = [(rng.integers(0, 30, 4).tolist() * 5)[: 8 + 3 * i] for i in range(4)]
+
+    def run(depth: int, **spec: object) -> tuple[dict[int, list[int]], int, dict]:
+        core = EngineCore(EngineConfig(model="random:tiny", platform="cpu", dtype="float32", max_model_len=96,
+                                       max_num_seqs=4, num_kv_blocks=48, **spec))  # type: ignore[arg-type]
+        for key, p in enumerate(prompts):
+            params = SamplingParams(max_tokens=10, temperature=temperature, seed=key, ignore_eos=True)
+            assert core.add_request(AddRequest(key, p, params)) is None
+        out, shifted = drive(core, depth)
+        return out, shifted, core.stats()
+
+    ahead, shifted, stats = run(2, speculator="ngram", num_speculative_tokens=3)
+    assert shifted > 0, "no row ran ahead"
+    assert stats["spec"]["num_draft_tokens"] > 0 and stats["spec"]["num_host_draft_copies"] == 0
+    # Greedy accepts drafts (repetitive prompts); sampling on this random model rejects nearly all,
+    # so there every shifted row moves back and its sampling index with it.
+    assert stats["spec"]["num_accepted_tokens"] > 0 or temperature > 0
+    assert stats["num_graph_steps"] > 0 or temperature > 0
+    waiting, waiting_shifted, _ = run(1, speculator="ngram", num_speculative_tokens=3)
+    assert waiting_shifted == 0
+    assert ahead == waiting
+    if temperature == 0.0:
+        plain, _, _ = run(1, enforce_eager=True)
+        assert ahead == plain

@@ -1,0 +1,161 @@
+"""`speckernel bench` scenarios on the CPU with tiny settings: each writes its JSON (header and
+per-run keys), its markdown table (one row per run) and its plot; random-weight models load
+with their preset's shapes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from speckernel.errors import UnknownModelError
+from speckernel.models.builtin import resolve
+from speckernel.models.loader import load_model, read_config
+from speckernel.tools import cli
+
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+HEADER_KEYS = {"scenario", "command", "host", "versions", "platform", "dtype", "device"}
+STREAM_KEYS = {"concurrency", "num_requests", "generated_tokens", "elapsed_s", "tokens_per_s", "tpot_p50_ms",
+               "tpot_p99_ms", "ttft_p50_ms", "num_steps", "steps_per_s", "spec"}
+
+
+def bench(scenario: str, args: list[str], out: Path,
+          monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], list[str]]:
+    """Runs one scenario through the CLI; returns its report and the rows of its tables."""
+    argv = ["bench", scenario, *args, "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["speckernel", *argv])  # the report records this process's command
+    assert cli.main(argv) == 0
+    report = json.loads((out / f"{scenario}.json").read_text())
+    assert report["scenario"] == scenario and report["command"] == "speckernel " + " ".join(argv)
+    assert set(report["versions"]) >= {"torch", "transformers", "triton"}
+    rows = [line for line in (out / f"{scenario}.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("|---")]
+    assert (out / f"{scenario}.png").exists() or not HAS_MATPLOTLIB
+    return report, rows[1:]  # without the header row
+
+
+# --- random-weight models ---------------------------------------------------------------------
+
+
+def test_random_llama3_8b_has_the_real_shapes() -> None:
+    cfg = read_config(resolve("random:llama3-8b"))  # the config only: 16 GB of weights are not built here
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4096, 32, 32, 8, 128)
+    assert (cfg.intermediate_size, cfg.vocab_size, cfg.rope_theta) == (14336, 128256, 500000.0)
+    assert not cfg.tie_word_embeddings and cfg.eos_token_ids == ()
+    assert read_config(resolve("random:llama3-8b,num_layers=2")).num_layers == 2
+
+
+def test_random_model_loads_with_its_shapes_and_the_same_weights_every_time() -> None:
+    path = resolve("random:tiny,num_layers=3,hidden_size=32")
+    cfg = read_config(path)
+    model = load_model(path, torch.float32, torch.device("cpu"), 64)
+    assert len(model.layers) == 3
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    q = cfg.num_heads * cfg.head_dim
+    assert shapes["embed.weight"] == (cfg.vocab_size, 32)
+    assert shapes["lm_head.weight"] == (cfg.vocab_size, 32)
+    assert shapes["layers.0.attn.qkv.weight"] == (q + 2 * cfg.num_kv_heads * cfg.head_dim, 32)
+    assert shapes["layers.2.mlp.gate_up.weight"] == (2 * cfg.intermediate_size, 32)
+    assert torch.equal(model.layers[0].input_norm.weight, torch.ones(32))
+    assert 0.015 < model.layers[0].mlp.down.weight.std().item() < 0.025
+    again = load_model(path, torch.float32, torch.device("cpu"), 64)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("name", ["random:nope", "random:tiny,layers=2", "random:tiny,num_layers",
+                                  "random:tiny,num_layers=two"])
+def test_bad_random_names_fail_before_loading(name: str) -> None:
+    with pytest.raises(UnknownModelError):
+        resolve(name)
+
+
+def test_weight_bytes_of_llama3_8b() -> None:
+    from speckernel.tools.bench.scale import step_bytes
+
+    weights, kv = step_bytes(read_config(resolve("random:llama3-8b")), 2, 100)
+    embed = 128256 * 4096
+    assert weights == 2 * (8_030_261_248 - embed + 4096)  # all of Llama-3-8B but the embedding table, less a row
+    assert kv == 2 * 32 * 2 * 8 * 128 * 100
+
+
+# --- scenarios --------------------------------------------------------------------------------
+
+
+def test_scale_on_random_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    report, rows = bench("scale", ["--platform", "cpu", "--model", "random:tiny", "--compare", "random:tiny",
+                                   "--layers", "3", "--prompt-len", "16", "--warmup-steps", "1", "--steps", "4",
+                                   "--copy-mib", "8", "--copy-repeats", "2"], tmp_path, monkeypatch)
+    assert set(report) >= HEADER_KEYS | {"copy_bandwidth_gb_s", "models"}
+    assert report["dtype"] == "bfloat16" and report["copy_bandwidth_gb_s"] > 0
+    assert [m["model"] for m in report["models"]] == ["random:tiny,num_layers=3"] * 2
+    for m in report["models"]:
+        assert m["num_layers"] == 3 and m["num_steps_timed"] == 4
+        assert m["step_p50_ms"] > 0 and m["floor_ms"] > 0 and m["step_over_floor"] > 0
+    assert len(rows) == 2 and rows[0].startswith("| random:tiny,num_layers=3 | 3 |")
+
+
+@pytest.mark.slow
+def test_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    report, rows = bench("decode", ["--platform", "cpu", "--max-tokens", "4", "--num-prompts", "2",
+                                    "--concurrency", "1,2", "--speculator", "ngram", "--no-hf"], tmp_path, monkeypatch)
+    assert set(report) >= HEADER_KEYS | {"runs", "peers", "modes", "concurrency"}
+    assert report["peers"] == {} and report["modes"] == ["inprocess"]
+    runs = report["runs"]
+    assert [(r["speculator"], r["concurrency"]) for r in runs] == [("none", 1), ("none", 2), ("ngram", 1),
+                                                                    ("ngram", 2)]
+    for r in runs:
+        assert set(r) >= STREAM_KEYS | {"ratio_to_none", "identical_to_none", "ratio_to_peers"}
+        assert r["identical_to_none"] == 2  # greedy float32: speculation changes no token
+        assert r["spec"]["num_k0_steps"] >= 0 and r["generated_tokens"] == 8
+    assert runs[2]["spec"]["mean_acceptance_length"] >= 1.0 and runs[0]["spec"]["mean_acceptance_length"] is None
+    assert [row.split(" | ")[1:3] for row in rows] == [["none", "1"], ["none", "2"], ["ngram", "1"], ["ngram", "2"]]
+
+
+@pytest.mark.slow
+def test_hostsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    report, rows = bench("hostsync", ["--platform", "cpu", "--max-tokens", "4", "--num-prompts", "2",
+                                      "--concurrency", "1", "--speculator-option", "num_layers=1"],
+                         tmp_path, monkeypatch)
+    assert set(report) >= HEADER_KEYS | {"speculator", "runs"}
+    assert [r["force_host_drafts"] for r in report["runs"]] == [False, True]
+    for r in report["runs"]:
+        assert set(r) >= STREAM_KEYS | {"ratio_to_host_copies", "identical_to_host_copies"}
+        assert r["identical_to_host_copies"] == 2
+    copies = [r["spec"]["num_host_draft_copies"] for r in report["runs"]]
+    assert copies[0] == 0 and copies[1] > 0  # fixed width: drafts stay on the device unless forced to the host
+    assert [row.split(" | ")[0] for row in rows] == ["| False", "| True"]
+
+
+@pytest.mark.slow
+def test_prefill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    report, rows = bench("prefill", ["--platform", "cpu", "--prompt-tokens", "48", "--num-prompts", "2",
+                                     "--concurrency", "1"], tmp_path, monkeypatch)
+    runs = {(r["speculator"], r["skip_drafts"]): r for r in report["runs"]}
+    assert list(runs) == [("none", None), ("ngram", True), ("ngram", False)]
+    for r in runs.values():
+        assert r["prompt_tokens"] == 96 and r["generated_tokens"] == 2 and r["prefill_tokens_per_s"] > 0
+    # max_tokens=1: no step can verify a draft, so every step skips drafting exactly when allowed to
+    assert runs[("ngram", True)]["spec"]["num_k0_steps"] == runs[("ngram", True)]["num_steps"]
+    assert runs[("ngram", False)]["spec"]["num_k0_steps"] == 0
+    assert len(rows) == 3
+
+
+@pytest.mark.slow
+def test_hf_peers_match_the_engine(hf_model, core, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The peers' harness on the conftest HF model: eager and prompt-lookup greedy outputs equal
+    the engine's token for token (the compiled peer is left to GPU runs: compiling takes minutes)."""
+    from speckernel.sampling_params import SamplingParams
+    from speckernel.tools.bench.hf import run_peer
+    from tests.conftest import run_to_completion
+
+    prompts = [tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(")]
+    engine = run_to_completion(core, prompts, SamplingParams(max_tokens=5, temperature=0.0), "hf")
+    for peer in ("hf_eager", "hf_prompt_lookup"):
+        result = run_peer(hf_model, peer, prompts, 5, tuple(tokenizer.eos_token_ids), 3, torch.device("cpu"))
+        assert result["outputs"] == engine and result["generated_tokens"] == sum(len(e) for e in engine)
+        assert result["tokens_per_s"] > 0 and result["tpot_p50_ms"] is not None
