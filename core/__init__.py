@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from speckernel.config import EngineConfig
-from speckernel.errors import (
+from .config import EngineConfig
+from .errors import (
     EngineDeadError,
     InvalidInputError,
     InvalidSamplingParamsError,
@@ -19,10 +19,10 @@ from speckernel.errors import (
 )
 
 if TYPE_CHECKING:
-    from speckernel.frontend.async_engine import AsyncEngine
-    from speckernel.frontend.sync_engine import Engine
-    from speckernel.outputs import RequestOutput
-    from speckernel.sampling_params import SamplingParams
+    from .frontend.async_engine import AsyncEngine
+    from .frontend.sync_engine import Engine
+    from .outputs import RequestOutput
+    from .sampling_params import SamplingParams
 
 _LAZY = {"AsyncEngine": ".frontend.async_engine", "Engine": ".frontend.sync_engine", "RequestOutput": ".outputs",
          "SamplingParams": ".sampling_params"}

@@ -6,8 +6,8 @@ from typing import Annotated
 
 import msgspec
 
-from speckernel.errors import InvalidInputError
-from speckernel.sampling_params import MAX_INT32, MAX_INT64, Seed, strict_fields
+from .errors import InvalidInputError
+from .sampling_params import MAX_INT32, MAX_INT64, Seed, strict_fields
 
 Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)]
 LogLevel = Annotated[str, msgspec.Meta(pattern="^(?i:debug|info|warning|error|critical)$")]

@@ -20,12 +20,12 @@ import msgspec
 import numpy as np
 import torch
 
-from speckernel import registry
-from speckernel.config import EngineConfig
-from speckernel.engine.core import EngineCore
-from speckernel.plugin import Drafts, SpeculatorCapabilities, TargetStates
-from speckernel.sampling_params import SamplingParams
-from speckernel.wire.messages import AddRequest
+from . import registry
+from .config import EngineConfig
+from .engine.core import EngineCore
+from .plugin import Drafts, SpeculatorCapabilities, TargetStates
+from .sampling_params import SamplingParams
+from .wire.messages import AddRequest
 
 DEFAULT_PROMPTS = (
     "The three primary colors are",
@@ -98,10 +98,9 @@ def check_speculator(name: str, *, model: str = "smollm2-135m", k: int = 3, max_
     k = min(k, caps.max_k)
     base = EngineConfig(model=model, platform=platform, max_model_len=512, max_num_batched_tokens=6)
     plain = EngineCore(base)
-    from speckernel.models.builtin import resolve
-    from speckernel.models.tokenizer import Tokenizer
+    from .models.checkpoint import load_tokenizer, resolve
 
-    tokenizer = Tokenizer.load(resolve(model))
+    tokenizer = load_tokenizer(resolve(model))
     ids = [tokenizer.encode(p) for p in prompts]
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     expected, _ = _run(plain, ids, greedy)

@@ -14,8 +14,8 @@ from typing import Protocol, runtime_checkable
 import msgspec
 import torch
 
-from speckernel.errors import InvalidInputError, SpeckernelError
-from speckernel.ops.paged_attention import AttentionBackend
+from .attention import AttentionBackend
+from .errors import InvalidInputError, SpeckernelError
 
 
 class PlatformCapabilities(msgspec.Struct, frozen=True, kw_only=True):

@@ -21,17 +21,18 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 import msgspec
 import torch
 
-from speckernel.errors import InvalidInputError
-from speckernel.kernel.frame import RowSampling
-from speckernel.models.builtin import resolve as resolve_model
-from speckernel.models.config import ModelConfig
-from speckernel.models.llama import LlamaModel, RMSNorm
-from speckernel.models.loader import load_model, read_config
-from speckernel.models.paged import new_kv_cache
-from speckernel.ops import fused_ops
-from speckernel.ops.paged_attention import AttentionBackend, AttentionMetadata
-from speckernel.ops.rope import apply_rope, cos_sin_table
-from speckernel.runner.sampler import target_noise
+from .attention import AttentionBackend, AttentionMetadata
+from .errors import InvalidInputError
+from .model_config import ModelConfig
+from .models.checkpoint import read_config
+from .models.checkpoint import resolve as resolve_model
+from .models.llama import LlamaModel, RMSNorm
+from .models.loader import load_model
+from .models.paged import new_kv_cache
+from .ops import fused_ops
+from .ops.rope import apply_rope, cos_sin_table
+from .runner.sampler import target_noise
+from .sampling_params import RowSampling
 
 __all__ = [
     "AttentionBackend",

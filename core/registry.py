@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from speckernel.errors import PlatformUnavailableError, UnknownPluginError
+from .errors import PlatformUnavailableError, UnknownPluginError
 
 GROUPS = {
     "speculator": "speckernel.speculators",

@@ -15,7 +15,7 @@ import msgspec
 import msgspec.inspect
 import numpy as np
 
-from speckernel.errors import InvalidInputError, InvalidSamplingParamsError
+from .errors import InvalidInputError, InvalidSamplingParamsError
 
 MAX_INT32 = 2**31 - 1
 MAX_INT64 = 2**63 - 1
@@ -154,3 +154,15 @@ def sampling_params(params: object, vocab_size: int | None = None) -> SamplingPa
     if not isinstance(params, SamplingParams):
         raise InvalidSamplingParamsError(f"params: expected a SamplingParams or None, got {params!r:.80}")
     return params.validate(vocab_size)
+
+
+class RowSampling(msgspec.Struct, frozen=True, array_like=True):
+    """One row's sampling in one step: a request's SamplingParams with its seed drawn and the
+    output position fixed (the kernel plans it, the runner and speculators read it)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    position: int
+    """Index of the output token this row samples; with the seed it fixes the random draw."""

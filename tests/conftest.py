@@ -53,16 +53,16 @@ PROMPTS = [
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
-    from speckernel.models.builtin import resolve
+    from speckernel.models.checkpoint import resolve
 
     return resolve("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def tokenizer(model_path: Path):  # type: ignore[no-untyped-def]
-    from speckernel.models.tokenizer import Tokenizer
+    from speckernel.models.checkpoint import load_tokenizer
 
-    return Tokenizer.load(model_path)
+    return load_tokenizer(model_path)
 
 
 @pytest.fixture(scope="session")

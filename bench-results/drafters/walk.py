@@ -27,8 +27,8 @@ from safetensors.torch import load_file
 
 from speckernel import registry
 from speckernel.config import EngineConfig
-from speckernel.models.builtin import resolve
-from speckernel.models.loader import load_model, read_config
+from speckernel.models.checkpoint import read_config, resolve
+from speckernel.models.loader import load_model
 from speckernel.speculators.learned import WEIGHTS, trim
 from speckernel.tools.datasets import humaneval_messages
 from speckernel.tools.train.data import Sequences, TargetFeatures, generate

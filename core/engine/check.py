@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from speckernel.errors import InvalidInputError
+from ..errors import InvalidInputError
 
 
 def parse_options(speculator: str, options_type: type[msgspec.Struct], raw: dict[str, str]) -> Any:

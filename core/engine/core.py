@@ -20,24 +20,24 @@ import msgspec
 import numpy as np
 import torch
 
-from speckernel import log, registry
-from speckernel.config import EngineConfig
-from speckernel.engine.check import parse_options
-from speckernel.errors import InvalidInputError, PromptTooLongError
-from speckernel.kernel.block_manager import BlockManager
-from speckernel.kernel.frame import StepFrame, StepResult
-from speckernel.kernel.ledger import Ledger
-from speckernel.kernel.request import Request
-from speckernel.kernel.scheduler import Scheduler, SpecPolicy
-from speckernel.kernel.spec_governor import SpecGovernor
-from speckernel.models.builtin import resolve
-from speckernel.models.config import ModelConfig
-from speckernel.models.loader import load_model, read_config
-from speckernel.models.paged import kv_bytes_per_block
-from speckernel.platform import parse_dtype
-from speckernel.plugin import SpeculatorCapabilities, SpeculatorContext
-from speckernel.runner.model_runner import ModelRunner, PendingStep
-from speckernel.wire.messages import (
+from .. import log, registry
+from ..config import EngineConfig
+from ..errors import InvalidInputError, PromptTooLongError
+from ..kernel.block_manager import BlockManager
+from ..kernel.frame import StepFrame, StepResult
+from ..kernel.ledger import Ledger
+from ..kernel.request import Request
+from ..kernel.scheduler import Scheduler, SpecPolicy
+from ..kernel.spec_governor import SpecGovernor
+from ..model_config import ModelConfig
+from ..models.checkpoint import read_config, resolve
+from ..models.loader import load_model
+from ..models.paged import kv_bytes_per_block
+from ..platform import parse_dtype
+from ..plugin import SpeculatorCapabilities, SpeculatorContext
+from ..runner.model_runner import ModelRunner, PendingStep
+from ..runner.step_graphs import StepGraphs, prefill_buckets
+from ..wire.messages import (
     AbortRequests,
     AddRequest,
     CoreMessage,
@@ -51,6 +51,7 @@ from speckernel.wire.messages import (
     UtilityResult,
     check_wire,
 )
+from .check import parse_options
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -103,7 +104,7 @@ class EngineCore:
         # Where the plan lives on the device, a step verifies K slots whatever the drafts (graphs
         # pad to K anyway): variable-width drafts are padded with -1 there instead of copied to
         # the host, and a device-only speculator's requests run ahead of their accepted counts.
-        device_planned = getattr(attention, "device_planned", False)
+        device_planned = attention.device_planned
         variable_width = caps is not None and caps.draft_width == "variable" and not device_planned
         run_ahead = (caps is not None and caps.device_only and device_planned and config.async_scheduling
                      and not variable_width)
@@ -115,9 +116,7 @@ class EngineCore:
         if self.platform.capabilities.triton:
             model.use_triton_ops(True)
         if (self.platform.capabilities.supports_graphs and not config.enforce_eager
-                and getattr(attention, "supports_padding", False)):
-            from speckernel.runner.step_graphs import StepGraphs, prefill_buckets
-
+                and attention.supports_padding):
             graphs = StepGraphs(self.runner, self.platform, config.max_num_seqs, (0, k),
                                 draft_ks=(0, k) if caps is not None and caps.device_only else (0,),
                                 prefill_tokens=prefill_buckets(min(config.max_num_batched_tokens, self.max_model_len)))

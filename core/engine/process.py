@@ -28,11 +28,11 @@ import anyio.to_thread
 import msgspec
 import zmq
 
-from speckernel import log
-from speckernel.config import EngineConfig
-from speckernel.errors import InvalidInputError
-from speckernel.wire.codec import Decoder, Encoder
-from speckernel.wire.messages import (
+from .. import log
+from ..config import EngineConfig
+from ..errors import InvalidInputError
+from ..wire.codec import Decoder, Encoder
+from ..wire.messages import (
     CoreFailed,
     CoreMessage,
     FrontendMessage,
@@ -130,7 +130,7 @@ def run_core_process(boot: CoreBootstrap) -> int:
         return code
 
     try:
-        from speckernel.engine.core import EngineCore
+        from .core import EngineCore
 
         core = EngineCore(config)
     except Exception as e:

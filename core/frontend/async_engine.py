@@ -30,15 +30,13 @@ import anyio.to_thread
 import numpy as np
 from anyio.streams.memory import MemoryObjectSendStream
 
-from speckernel import errors, registry
-from speckernel.config import EngineConfig
-from speckernel.frontend.client import CoreClient, InprocClient, ProcessClient
-from speckernel.frontend.detokenizer import IncrementalDetokenizer
-from speckernel.models.builtin import resolve
-from speckernel.models.tokenizer import Tokenizer
-from speckernel.outputs import RequestOutput, Timing
-from speckernel.sampling_params import SamplingParams, prompt_token_ids, sampling_params
-from speckernel.wire.messages import (
+from .. import errors, registry
+from ..config import EngineConfig
+from ..models.checkpoint import load_tokenizer, resolve
+from ..models.tokenizer import Tokenizer
+from ..outputs import RequestOutput, Timing
+from ..sampling_params import SamplingParams, prompt_token_ids, sampling_params
+from ..wire.messages import (
     AbortRequests,
     AddRequest,
     CoreFailed,
@@ -48,6 +46,8 @@ from speckernel.wire.messages import (
     UtilityCall,
     UtilityResult,
 )
+from .client import CoreClient, InprocClient, ProcessClient
+from .detokenizer import IncrementalDetokenizer
 
 
 def error_from_wire(text: str) -> errors.SpeckernelError:
@@ -101,7 +101,7 @@ class AsyncEngine:
             # The tokenizer loads in a thread while the core starts (a process importing torch
             # and loading weights): start-up pays for the longer of the two, not their sum.
             loader = ThreadPoolExecutor(1, thread_name_prefix="speckernel-tokenizer")
-            tokenizer = loader.submit(Tokenizer.load, path)
+            tokenizer = loader.submit(load_tokenizer, path)
             loader.shutdown(wait=False)
             self.info = await client.start(tg)
             self.tokenizer = await anyio.to_thread.run_sync(tokenizer.result)

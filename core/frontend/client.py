@@ -33,12 +33,12 @@ import zmq
 from anyio.abc import TaskGroup
 from zmq.auth.thread import ThreadAuthenticator
 
-from speckernel import errors as errors_mod
-from speckernel import log
-from speckernel.config import EngineConfig
-from speckernel.engine.process import CoreBootstrap
-from speckernel.wire.codec import Decoder, Encoder
-from speckernel.wire.messages import CoreFailed, CoreMessage, CoreReady, FrontendMessage, Heartbeat, Shutdown
+from .. import errors as errors_mod
+from .. import log
+from ..config import EngineConfig
+from ..engine.process import CoreBootstrap
+from ..wire.codec import Decoder, Encoder
+from ..wire.messages import CoreFailed, CoreMessage, CoreReady, FrontendMessage, Heartbeat, Shutdown
 
 POLL_S = 0.1
 HEARTBEAT_TIMEOUT_S = 3.0
@@ -93,7 +93,7 @@ class InprocClient(CoreClient):
         self.tx, self.rx = anyio.create_memory_object_stream[CoreMessage | None](math.inf)
 
     async def start(self, tg: TaskGroup) -> CoreReady:
-        from speckernel.engine.core import EngineCore
+        from ..engine.core import EngineCore
 
         self.core = await anyio.to_thread.run_sync(EngineCore, self.config)
 

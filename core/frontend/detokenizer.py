@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from speckernel.models.tokenizer import Tokenizer
+from ..models.tokenizer import Tokenizer
 
 
 class DetokenizedDelta(msgspec.Struct, frozen=True, kw_only=True):

@@ -10,10 +10,10 @@ from typing import Any
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from speckernel.config import EngineConfig
-from speckernel.frontend.async_engine import AsyncEngine
-from speckernel.outputs import RequestOutput
-from speckernel.sampling_params import SamplingParams
+from ..config import EngineConfig
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .async_engine import AsyncEngine
 
 
 class Engine:

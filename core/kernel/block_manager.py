@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from speckernel.kernel.request import Request
+from .request import Request
 
 
 class BlockManager:

@@ -9,14 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-
-class RowSampling(msgspec.Struct, frozen=True, array_like=True):
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    position: int
-    """Index of the output token this row samples; with the seed it fixes the random draw."""
+from ..sampling_params import RowSampling
 
 
 class ScheduledRow(msgspec.Struct, frozen=True, array_like=True):

@@ -9,10 +9,10 @@ the frame was scheduled. A row that failed on the device fails its own request o
 
 from __future__ import annotations
 
-from speckernel.kernel.frame import StepFrame, StepResult
-from speckernel.kernel.request import SpecCounters
-from speckernel.kernel.scheduler import Scheduler
-from speckernel.wire.messages import RequestDelta
+from ..wire.messages import RequestDelta
+from .frame import StepFrame, StepResult
+from .request import SpecCounters
+from .scheduler import Scheduler
 
 
 class LedgerError(RuntimeError):

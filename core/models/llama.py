@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speckernel.models.config import ModelConfig
-from speckernel.ops import fused_ops
-from speckernel.ops.paged_attention import AttentionMetadata
-from speckernel.ops.rope import cos_sin_table
+from ..attention import AttentionMetadata
+from ..model_config import ModelConfig
+from ..ops import fused_ops
+from ..ops.rope import cos_sin_table
 
 
 class RMSNorm(nn.Module):

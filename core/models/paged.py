@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from speckernel.models.config import ModelConfig
+from ..model_config import ModelConfig
 
 
 def new_kv_cache(model_cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,

@@ -1,4 +1,5 @@
-"""Tokenizer (`tokenizers`) and chat template (Jinja2), built from a GGUF file or a model folder."""
+"""Tokenizer (`tokenizers`) and chat template (Jinja2), read from a model folder (a GGUF file's
+conversion is one; gguf.py builds it)."""
 
 from __future__ import annotations
 
@@ -10,29 +11,12 @@ from typing import Annotated, Any
 import msgspec
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from speckernel.errors import InvalidInputError, UnknownModelError
+from ..errors import InvalidInputError, UnknownModelError
 
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
-LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    """Mirror of the pre-tokenizers llama.cpp names in `tokenizer.ggml.pre`."""
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("smollm", "starcoder", "refact"):
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("llama-bpe", "llama3", "qwen2", "smaug-bpe"):
-        split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")
-        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    return byte_level
-
-
 class ChatTurn(msgspec.Struct):
     """What the chat template reads of a message (other keys pass through to it untouched)."""
 
@@ -112,36 +96,6 @@ class Tokenizer:
 
     # --- construction ----------------------------------------------------------------------
 
-    @classmethod
-    def from_gguf_reader(cls, reader: Any, path: Path) -> Tokenizer:
-        from speckernel.models.loader import gguf_field
-
-        kind = gguf_field(reader, "tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise UnknownModelError(
-                f"{path}: GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' is); "
-                "use the safetensors folder with its tokenizer.json instead"
-            )
-        tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
-        types: list[int] = gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", [])]
-        tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-        tok.pre_tokenizer = byte_level_pre_tokenizer(gguf_field(reader, "tokenizer.ggml.pre", "gpt2"))
-        tok.decoder = decoders.ByteLevel()
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, ty in zip(tokens, types, strict=True) if ty == GGUF_CONTROL])
-        tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, ty in zip(tokens, types, strict=True) if ty == GGUF_USER_DEFINED])
-        eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
-        eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
-        return cls(
-            tok,
-            gguf_field(reader, "tokenizer.chat_template"),
-            gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-            tuple(dict.fromkeys(t for t in (eos, eot) if t is not None)),
-            bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        )
-
     def save(self, folder: Path) -> None:
         """Writes tokenizer.json and the HF-style configs that `from_folder` reads back."""
         self.tok.save(str(folder / "tokenizer.json"))
@@ -179,16 +133,13 @@ class Tokenizer:
                    bool(cfg.get("add_bos_token", False)))
 
     @classmethod
-    def load(cls, path: Path) -> Tokenizer:
-        if str(path).startswith("random:"):  # a random-weight model: token N spelled <N>
-            from speckernel.models.synthetic_tokenizer import synthetic_tokenizer
-
-            return synthetic_tokenizer(path)
-        if path.suffix == ".gguf":
-            from speckernel.models.loader import converted
-
-            path = converted(path)
-        return cls.from_folder(path)
+    def numbered(cls, vocab_size: int) -> Tokenizer:
+        """`<N>` for every id below vocab_size; any other text encodes as id 0. No BOS, no EOS and
+        no chat template (messages are joined): for random-weight models, which ship none."""
+        tok = HFTokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"<\d+>"), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        return cls(tok, chat_template=None, bos_token_id=None, eos_token_ids=(), add_bos=False)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

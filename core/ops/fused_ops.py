@@ -152,7 +152,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rope_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half rope of q [T, nh, D] and k [T, nkv, D] with cos/sin [T, D]: fp32 math, results in q's dtype."""
-    from speckernel.ops.rope import apply_rope
+    from .rope import apply_rope
 
     return apply_rope(q, cos, sin).to(q.dtype), apply_rope(k, cos, sin).to(k.dtype)
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from speckernel.models.config import ModelConfig
+from ..model_config import ModelConfig
 
 
 def inv_frequencies(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, float]:

@@ -23,60 +23,28 @@ slot fails without running.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 import torch
 
-from speckernel import log as logmod
-from speckernel.kernel.frame import RowResult, ScheduledRow, StepFrame, StepResult
-from speckernel.models.llama import LlamaModel
-from speckernel.models.paged import new_kv_cache
-from speckernel.ops.paged_attention import AttentionBackend, AttentionMetadata
-from speckernel.plugin import Speculator, TargetModel, TargetStates
-from speckernel.runner.sampler import SamplingTensors, sample_on_device
-from speckernel.runner.token_pool import TokenPool
-from speckernel.runner.verify import verify
-
-if TYPE_CHECKING:
-    from speckernel.runner.step_graphs import StepGraphs
+from .. import log as logmod
+from ..attention import AttentionBackend, AttentionMetadata
+from ..kernel.frame import RowResult, ScheduledRow, StepFrame, StepResult
+from ..models.llama import LlamaModel
+from ..models.paged import new_kv_cache
+from ..plugin import Speculator, TargetModel, TargetStates
+from .sampler import SamplingTensors, sample_on_device
+from .step_graphs import StepGraphs
+from .step_shape import DeviceOutputs, StepShape
+from .token_pool import TokenPool
+from .verify import verify
 
 log = logmod.get("runner")
 
 # Columns of the per-row plan the host sends with each step.
 SLOT, NUM_DRAFTS, OUT_POS, SAMPLES, SEED, POSITION, TOP_K, TEMPERATURE, TOP_P, SHIFTED = range(10)
 ROW_FIELDS = 10
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What fixes a step's device work: padded rows and tokens, verify width, sampling kind."""
-
-    rows: int
-    tokens: int
-    k: int
-    """Drafts verified per row (0: plain decode)."""
-    max_query_len: int
-    all_greedy: bool
-    any_filter: bool
-    decode_like: bool = False
-    """Every row samples and has one input token plus its drafts (what graphs serve)."""
-    draft_k: int = 0
-    """Drafts a device-only speculator proposes after the step (0: its sync pass, or none)."""
-
-
-@dataclass
-class DeviceOutputs:
-    """What the device part of a step leaves behind (graph-static when replayed)."""
-
-    packed: torch.Tensor
-    """[R, K + 2]: K + 1 output tokens (-1 padded), then the accepted count."""
-    hidden: torch.Tensor
-    captured: dict[int, torch.Tensor]
-    drafts: torch.Tensor | None = None
-    """[R, draft_k] what a device-only speculator proposed (-1 ends a row), already in the buffer."""
 
 
 def confirmed_lens(seq_lens: torch.Tensor, num_drafts: torch.Tensor, samples: torch.Tensor,
@@ -112,10 +80,9 @@ class ModelRunner:
         self.use_triton = use_triton
         self.force_host_drafts = force_host_drafts
         self.num_slots = num_slots
-        reserve = getattr(attention, "reserve", None)
-        if reserve is not None:  # the plan buffer never moves under captured graphs
-            tokens = max(max_num_tokens, num_slots * (max_k + 1))
-            reserve(tokens, num_slots, ROW_FIELDS, 3 * tokens)
+        # The plan buffer never moves under captured graphs.
+        tokens = max(max_num_tokens, num_slots * (max_k + 1))
+        attention.reserve(tokens, num_slots, ROW_FIELDS, 3 * tokens)
         # Room for the context, K drafts past it, and one spare column that catches padding;
         # one spare row takes what padding rows of a device graph write.
         self.pool = TokenPool(num_slots + 1, max_model_len + max_k + 2, device)

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from speckernel.kernel.frame import RowSampling
-from speckernel.sampling_params import MIN_TEMPERATURE
+from ..sampling_params import MIN_TEMPERATURE, RowSampling
 
 MIX = 0x9E3779B97F4A7C15
 

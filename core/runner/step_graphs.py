@@ -19,11 +19,11 @@ from collections.abc import Iterable
 import torch
 from tqdm import tqdm
 
-from speckernel import log as logmod
-from speckernel.kernel.frame import StepFrame
-from speckernel.ops.paged_attention import AttentionMetadata
-from speckernel.platform import DeviceGraph, Platform
-from speckernel.runner.model_runner import DeviceOutputs, ModelRunner, StepShape
+from .. import log as logmod
+from ..attention import AttentionMetadata
+from ..kernel.frame import StepFrame
+from ..platform import DeviceGraph, Platform
+from .step_shape import DeviceOutputs, StepDevice, StepShape
 
 log = logmod.get("graphs")
 
@@ -52,7 +52,7 @@ def row_buckets(max_rows: int) -> list[int]:
 
 
 class StepGraphs:
-    def __init__(self, runner: ModelRunner, platform: Platform, max_rows: int, ks: Iterable[int],
+    def __init__(self, runner: StepDevice, platform: Platform, max_rows: int, ks: Iterable[int],
                  draft_ks: Iterable[int] = (0,), prefill_tokens: Iterable[int] = ()) -> None:
         self.runner = runner
         self.platform = platform
@@ -105,8 +105,7 @@ class StepGraphs:
         return graph, out
 
     def _buffer_ptr(self) -> int:
-        buffer = getattr(self.runner.attention, "buffer", None)
-        return 0 if buffer is None else buffer.data_ptr()
+        return self.runner.attention.buffer.data_ptr()
 
     def padded(self, shape: StepShape) -> StepShape | None:
         """The captured shape that serves this step, or None (run it eagerly)."""

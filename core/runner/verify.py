@@ -35,8 +35,8 @@ from collections.abc import Sequence
 
 import torch
 
-from speckernel.kernel.frame import RowSampling
-from speckernel.runner.sampler import SamplingTensors, as_sampling_tensors, probs_on_device, race, uniform
+from ..sampling_params import RowSampling
+from .sampler import SamplingTensors, as_sampling_tensors, probs_on_device, race, uniform
 
 DRAFT_SALT = 0x5EED
 ACCEPT_ROWS = 16

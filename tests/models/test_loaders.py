@@ -9,8 +9,9 @@ import torch
 import transformers
 
 from speckernel.kernel.frame import ScheduledRow, StepFrame
-from speckernel.models.config import ModelConfig, RopeScaling
-from speckernel.models.loader import load_model, unpermute_qk
+from speckernel.model_config import ModelConfig, RopeScaling
+from speckernel.models.gguf import unpermute_qk
+from speckernel.models.loader import load_model
 from speckernel.ops.rope import inv_frequencies
 from speckernel.platforms.cpu import CpuPlatform
 from speckernel.runner.model_runner import ModelRunner

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from speckernel.errors import InvalidInputError, ModelFetchError
-from speckernel.models import builtin, loader
+from speckernel.models import builtin, gguf, loader
 from tests.conftest import default_sigint, exited
 
 CONTENT = b"weights " * 4096
@@ -147,15 +147,15 @@ def test_interrupted_fetch_leaves_no_temp_folder_and_no_child(sig: signal.Signal
 INTERRUPTED_CONVERSION = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from speckernel.models import loader
+    from speckernel.models import gguf
 
     def slow(path, out):  # stands in for dequantizing: marks its start, then takes its time
         (out / "started").write_text("1")
         time.sleep(120)
 
-    loader.write_conversion = slow
+    gguf.write_conversion = slow
     try:
-        loader.converted(Path(sys.argv[1]))
+        gguf.converted(Path(sys.argv[1]))
     except KeyboardInterrupt:
         sys.exit(130)
 """)
@@ -186,10 +186,10 @@ def conversions(cache: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
 
     def fake(path: Path, out: Path) -> None:
         calls.append(path)
-        (out / loader.WEIGHTS).write_bytes(b"w" * 1000)
-        (out / loader.MODEL_CONFIG).write_bytes(b"{}")
+        (out / gguf.WEIGHTS).write_bytes(b"w" * 1000)
+        (out / gguf.MODEL_CONFIG).write_bytes(b"{}")
 
-    monkeypatch.setattr(loader, "write_conversion", fake)
+    monkeypatch.setattr(gguf, "write_conversion", fake)
     return calls
 
 
@@ -197,16 +197,16 @@ def test_converted_cache_is_reused_and_a_truncated_one_converted_again(
         tmp_path: Path, conversions: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
     source = tmp_path / "user.gguf"
     source.write_bytes(b"gguf")
-    folder = loader.converted(source)
-    assert loader.converted(source) == folder and len(conversions) == 1
-    weights = folder / loader.WEIGHTS
+    folder = gguf.converted(source)
+    assert gguf.converted(source) == folder and len(conversions) == 1
+    weights = folder / gguf.WEIGHTS
     weights.write_bytes(weights.read_bytes()[:100])  # truncated
-    assert loader.converted(source) == folder and len(conversions) == 2
-    assert (folder / loader.WEIGHTS).stat().st_size == 1000
+    assert gguf.converted(source) == folder and len(conversions) == 2
+    assert (folder / gguf.WEIGHTS).stat().st_size == 1000
     err = capsys.readouterr().err
     assert str(folder) in err and "converting" in err
     os.utime(source, ns=(time.time_ns(), time.time_ns() + 10**9))  # the source changed: a new conversion
-    newer = loader.converted(source)
+    newer = gguf.converted(source)
     assert newer != folder and len(conversions) == 3
     assert not folder.exists()  # the stale conversion of the same file is removed
 
@@ -215,7 +215,7 @@ def test_unreadable_converted_weights_name_the_folder_and_remove_it(
         tmp_path: Path, conversions: list[Path]) -> None:
     source = tmp_path / "user.gguf"
     source.write_bytes(b"gguf")
-    folder = loader.converted(source)  # sizes match the manifest, the bytes are no safetensors
+    folder = gguf.converted(source)  # sizes match the manifest, the bytes are no safetensors
     with pytest.raises(InvalidInputError, match=r"converted cache .* is damaged") as info:
         loader.load_state(source)
     assert str(folder) in str(info.value)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speckernel.models.config import ModelConfig
+from speckernel.model_config import ModelConfig
 from speckernel.models.llama import LlamaModel
 from speckernel.models.paged import new_kv_cache
 from speckernel.ops import fused_ops, triton_attention

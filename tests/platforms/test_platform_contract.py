@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from speckernel.models.config import ModelConfig
+from speckernel.attention import AttentionMetadata
+from speckernel.model_config import ModelConfig
 from speckernel.models.llama import LlamaModel
 from speckernel.models.paged import new_kv_cache
-from speckernel.ops.paged_attention import SHORT_QUERY, AttentionMetadata, TorchPagedAttention
+from speckernel.ops.paged_attention import SHORT_QUERY, TorchPagedAttention
 from speckernel.platform import GraphCaptureUnsupportedError, Platform, PlatformCapabilities
 from speckernel.platforms.accelerator import TorchAcceleratorPlatform
 from speckernel.platforms.ascend import AscendPlatform

@@ -12,7 +12,7 @@ import torch
 
 from speckernel import registry
 from speckernel.errors import ModelFetchError, UnknownModelError, UnknownPluginError
-from speckernel.models import builtin
+from speckernel.models import builtin, checkpoint
 
 
 def test_auto_platform_is_best_available() -> None:
@@ -38,16 +38,16 @@ def test_ascend_is_importable_without_its_sdk() -> None:
 
 def test_unknown_model_names_the_builtins(tmp_path: Path) -> None:
     with pytest.raises(UnknownModelError, match="smollm2-135m"):
-        builtin.resolve("definitely-not-a-model")
+        checkpoint.resolve("definitely-not-a-model")
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(UnknownModelError, match="neither"):
-        builtin.resolve(str(tmp_path))
+        checkpoint.resolve(str(tmp_path))
 
 
 @pytest.mark.slow
 def test_default_model_is_fetched_checked_and_cached(tmp_path: Path) -> None:
     env = {**os.environ, "SPECKERNEL_CACHE": str(tmp_path)}
-    code = "from speckernel.models.builtin import resolve; print(resolve('smollm2-135m'))"
+    code = "from speckernel.models.checkpoint import resolve; print(resolve('smollm2-135m'))"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     path = Path(proc.stdout.strip())

@@ -15,7 +15,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from speckernel.errors import InvalidSamplingParamsError
-from speckernel.kernel.frame import RowSampling
 from speckernel.runner import sampler
 from speckernel.runner.sampler import (
     SamplingTensors,
@@ -31,7 +30,7 @@ from speckernel.runner.sampler import (
     uniform,
 )
 from speckernel.runner.verify import verify
-from speckernel.sampling_params import SamplingParams
+from speckernel.sampling_params import RowSampling, SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 CUDA = torch.cuda.is_available()

@@ -14,10 +14,9 @@ import torch
 
 from speckernel.config import EngineConfig
 from speckernel.engine.core import EngineCore
-from speckernel.kernel.frame import RowSampling
 from speckernel.runner.sampler import SamplingTensors, sample
 from speckernel.runner.verify import verify
-from speckernel.sampling_params import SamplingParams
+from speckernel.sampling_params import RowSampling, SamplingParams
 from speckernel.wire.messages import AddRequest
 
 BASE = EngineConfig(model="random:tiny", platform="cpu", dtype="float32", max_model_len=128, max_num_seqs=4)

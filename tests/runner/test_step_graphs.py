@@ -17,12 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from speckernel.kernel.frame import RowSampling, ScheduledRow, StepFrame
-from speckernel.models.config import ModelConfig
+from speckernel.attention import AttentionMetadata
+from speckernel.kernel.frame import ScheduledRow, StepFrame
+from speckernel.model_config import ModelConfig
 from speckernel.models.llama import LlamaModel
-from speckernel.ops.paged_attention import AttentionMetadata, TritonPagedAttention
-from speckernel.runner.model_runner import DeviceOutputs, ModelRunner, StepShape
+from speckernel.ops.paged_attention import TritonPagedAttention
+from speckernel.runner.model_runner import ModelRunner
 from speckernel.runner.step_graphs import StepGraphs, row_buckets
+from speckernel.runner.step_shape import DeviceOutputs, StepShape
+from speckernel.sampling_params import RowSampling
 
 # The project's Triton kernels run on the GPU where there is one, in the interpreter elsewhere.
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from speckernel.kernel.frame import RowSampling
 from speckernel.runner.sampler import SamplingTensors, sample, target_probs
 from speckernel.runner.verify import accept_torch, accept_triton, verify
+from speckernel.sampling_params import RowSampling
 
 triton = pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":

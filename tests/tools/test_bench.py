@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from speckernel.errors import UnknownModelError
-from speckernel.models.builtin import resolve
-from speckernel.models.loader import load_model, read_config
+from speckernel.models.checkpoint import read_config, resolve
+from speckernel.models.loader import load_model
 from speckernel.tools import cli
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None

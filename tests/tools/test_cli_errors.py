@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from speckernel.tools import cli
+from speckernel.tools import cli, engine_args
 from tests.conftest import default_sigint
 
 
@@ -118,7 +118,7 @@ def test_over_long_prompt_fails_before_the_engine_starts(model_path: Path, capsy
     assert err[0].startswith("speckernel: error: prompt has 30") and "the context holds 256" in err[0]
     # the built-in model's own context (capped as the engine caps it) is known before it loads
     rc, err = run_cli(["generate", "--prompt", "word " * 5000], capsys)
-    assert rc == 2 and len(err) == 1 and f"the context holds {cli.CONTEXT_CAP}" in err[0]
+    assert rc == 2 and len(err) == 1 and f"the context holds {engine_args.CONTEXT_CAP}" in err[0]
 
 
 def test_cli_constants_match_the_engine() -> None:
@@ -126,8 +126,8 @@ def test_cli_constants_match_the_engine() -> None:
     from speckernel.engine.core import DEFAULT_MAX_MODEL_LEN
     from speckernel.platform import DTYPES
 
-    assert cli.CONTEXT_CAP == DEFAULT_MAX_MODEL_LEN
-    assert set(cli.DTYPES) == set(DTYPES)
+    assert engine_args.CONTEXT_CAP == DEFAULT_MAX_MODEL_LEN
+    assert set(engine_args.DTYPES) == set(DTYPES)
 
 
 def parsers(parser: argparse.ArgumentParser, path: str = "speckernel") -> dict[str, argparse.ArgumentParser]:

@@ -35,7 +35,8 @@ def corpus() -> list[list[dict[str, str]]]:
 def humaneval() -> list[dict[str, str]]:
     """The HumanEval problems if they are already cached; never downloaded here."""
     try:
-        from speckernel.models.builtin import cache_dir, fetch
+        from speckernel.models.builtin import fetch
+        from speckernel.models.cache import cache_dir
         from speckernel.tools.datasets import HUMANEVAL
 
         if not (cache_dir() / Path(HUMANEVAL.member).name).exists():

@@ -14,11 +14,11 @@ import anyio
 import msgspec
 from tqdm import tqdm
 
-from speckernel.config import EngineConfig
-from speckernel.frontend.async_engine import AsyncEngine
-from speckernel.sampling_params import SamplingParams
-from speckernel.tools.bench.command import base_config, header, with_speculator
-from speckernel.tools.datasets import humaneval_messages
+from ...config import EngineConfig
+from ...frontend.async_engine import AsyncEngine
+from ...sampling_params import SamplingParams
+from ..datasets import humaneval_messages
+from .command import base_config, header, with_speculator
 
 
 async def run_one(config: EngineConfig, conversations: list[list[dict[str, str]]],

@@ -26,8 +26,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from speckernel.config import EngineConfig
-from speckernel.errors import InvalidInputError
+from ...config import EngineConfig
+from ...errors import InvalidInputError
 
 MISSING = "\N{EN DASH}"
 """What a table shows where a figure does not apply."""
@@ -48,7 +48,7 @@ def with_speculator(config: EngineConfig, args: argparse.Namespace, name: str | 
     and --speculator-option."""
     if name is None:
         return config
-    from speckernel.tools.cli import parse_options
+    from ..engine_args import parse_options
 
     spec, _, rest = name.partition(":")
     k_text, _, option_text = rest.partition(":")

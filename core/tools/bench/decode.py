@@ -17,12 +17,12 @@ from typing import Any
 
 import msgspec
 
-from speckernel import registry
-from speckernel.frontend.async_engine import AsyncEngine
-from speckernel.platform import parse_dtype
-from speckernel.sampling_params import SamplingParams
-from speckernel.tools.bench import hf as bench_hf
-from speckernel.tools.bench.command import (
+from ... import registry
+from ...frontend.async_engine import AsyncEngine
+from ...platform import parse_dtype
+from ...sampling_params import SamplingParams
+from . import hf as bench_hf
+from .command import (
     MISSING,
     base_config,
     cell,
@@ -33,7 +33,7 @@ from speckernel.tools.bench.command import (
     ratio,
     with_speculator,
 )
-from speckernel.tools.bench.streams import chat_prompts, identical, run_streams, warm_up
+from .streams import chat_prompts, identical, run_streams, warm_up
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

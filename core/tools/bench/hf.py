@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from speckernel.models.builtin import resolve
-from speckernel.tools.bench.command import ms, percentile
+from ...models.checkpoint import resolve
+from .command import ms, percentile
 
 PEERS = ("hf_eager", "hf_static_compiled", "hf_prompt_lookup")
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import msgspec
 
-from speckernel import registry
-from speckernel.errors import InvalidInputError
-from speckernel.frontend.async_engine import AsyncEngine
-from speckernel.sampling_params import SamplingParams
-from speckernel.tools.bench.command import base_config, cell, device_name, header, preamble, ratio, with_speculator
-from speckernel.tools.bench.streams import chat_prompts, identical, run_streams, warm_up
+from ... import registry
+from ...errors import InvalidInputError
+from ...frontend.async_engine import AsyncEngine
+from ...sampling_params import SamplingParams
+from .command import base_config, cell, device_name, header, preamble, ratio, with_speculator
+from .streams import chat_prompts, identical, run_streams, warm_up
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

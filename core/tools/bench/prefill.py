@@ -13,11 +13,12 @@ from typing import Any
 
 import msgspec
 
-from speckernel import registry
-from speckernel.errors import InvalidInputError
-from speckernel.frontend.async_engine import AsyncEngine
-from speckernel.sampling_params import SamplingParams
-from speckernel.tools.bench.command import (
+from ... import registry
+from ...errors import InvalidInputError
+from ...frontend.async_engine import AsyncEngine
+from ...sampling_params import SamplingParams
+from ..datasets import humaneval_prompts
+from .command import (
     MISSING,
     base_config,
     cell,
@@ -27,8 +28,7 @@ from speckernel.tools.bench.command import (
     ratio,
     with_speculator,
 )
-from speckernel.tools.bench.streams import run_streams, warm_up
-from speckernel.tools.datasets import humaneval_prompts
+from .streams import run_streams, warm_up
 
 
 def long_prompts(stream: list[int], length: int, n: int) -> list[list[int]]:

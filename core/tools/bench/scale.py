@@ -21,14 +21,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from speckernel import registry
-from speckernel.config import EngineConfig
-from speckernel.engine.core import EngineCore
-from speckernel.models.config import ModelConfig
-from speckernel.models.synthetic import is_random
-from speckernel.sampling_params import SamplingParams
-from speckernel.tools.bench.command import device_name, header, preamble, ratio
-from speckernel.wire.messages import AddRequest
+from ... import registry
+from ...config import EngineConfig
+from ...engine.core import EngineCore
+from ...model_config import ModelConfig
+from ...models.presets import is_random
+from ...sampling_params import SamplingParams
+from ...wire.messages import AddRequest
+from .command import device_name, header, preamble, ratio
 
 DEFAULT_MODELS = ["random:llama3-8b", "smollm2-135m"]
 

@@ -24,8 +24,8 @@ from typing import Any
 import anyio
 import msgspec
 
-from speckernel.tools.bench.command import cell, concurrency_axis, header, ms, percentile, preamble, ratio
-from speckernel.tools.datasets import humaneval_messages
+from ..datasets import humaneval_messages
+from .command import cell, concurrency_axis, header, ms, percentile, preamble, ratio
 
 START_TIMEOUT_S = 600.0
 SPEC_METRICS = ("spec_drafts_total", "spec_draft_tokens_total", "spec_accepted_tokens_total", "spec_k0_steps_total")

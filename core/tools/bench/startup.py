@@ -28,9 +28,9 @@ def probe(spawned: float, started: float, config_json: str) -> None:
     shared with the parent)."""
     import anyio
 
-    from speckernel.config import EngineConfig
-    from speckernel.frontend.async_engine import AsyncEngine
-    from speckernel.sampling_params import SamplingParams
+    from ...config import EngineConfig
+    from ...frontend.async_engine import AsyncEngine
+    from ...sampling_params import SamplingParams
 
     imported = time.time()
     import msgspec
@@ -78,9 +78,9 @@ def one_run(config_json: str, timeout: float) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import msgspec
 
-    from speckernel import registry
-    from speckernel.config import EngineConfig
-    from speckernel.tools.bench.command import device_name, header
+    from ... import registry
+    from ...config import EngineConfig
+    from .command import device_name, header
 
     modes = args.modes or ["process"]
     load_before = os.getloadavg()[0]
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> list[str]:
-    from speckernel.tools.bench.command import preamble
+    from .command import preamble
 
     lines = preamble(report, f"Start-up to the first token, {report['model']}, median of {report['repeats']} "
                              "fresh processes")

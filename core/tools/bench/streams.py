@@ -13,10 +13,10 @@ from typing import Any
 import anyio
 from tqdm import tqdm
 
-from speckernel.frontend.async_engine import AsyncEngine
-from speckernel.sampling_params import SamplingParams
-from speckernel.tools.bench.command import ms, percentile
-from speckernel.tools.datasets import humaneval_messages
+from ...frontend.async_engine import AsyncEngine
+from ...sampling_params import SamplingParams
+from ..datasets import humaneval_messages
+from .command import ms, percentile
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_k0_steps", "num_host_draft_copies")
 

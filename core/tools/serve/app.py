@@ -23,13 +23,13 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from speckernel import log
-from speckernel.config import EngineConfig
-from speckernel.errors import EngineDeadError, InvalidInputError, SpeckernelError
-from speckernel.frontend.async_engine import AsyncEngine
-from speckernel.outputs import RequestOutput
-from speckernel.tools.serve.metrics import CONTENT_TYPE, ServeMetrics
-from speckernel.tools.serve.protocol import (
+from ... import log
+from ...config import EngineConfig
+from ...errors import EngineDeadError, InvalidInputError, SpeckernelError
+from ...frontend.async_engine import AsyncEngine
+from ...outputs import RequestOutput
+from .metrics import CONTENT_TYPE, ServeMetrics
+from .protocol import (
     AssistantMessage,
     BadRequest,
     ChatChoice,

@@ -13,7 +13,7 @@ API_KEY_ENV = "SPECKERNEL_API_KEY"
 
 
 def add_arguments(sub: Any) -> None:
-    from speckernel.tools.cli import engine_args
+    from ..engine_args import engine_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, completions, metrics)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -29,7 +29,7 @@ def add_arguments(sub: Any) -> None:
 def config(args: argparse.Namespace) -> Any:
     import msgspec
 
-    from speckernel.tools.cli import config_from
+    from ..engine_args import config_from
 
     cfg = config_from(args)
     if args.max_num_seqs is not None:
@@ -42,8 +42,8 @@ def config(args: argparse.Namespace) -> Any:
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from speckernel.tools.cli import check_engine_args
-    from speckernel.tools.serve.app import build_app
+    from ..engine_args import check_engine_args
+    from .app import build_app
 
     # Unknown names and bad flags fail here with the CLI's one-line message (exit 2), not
     # inside uvicorn's start-up.

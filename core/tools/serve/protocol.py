@@ -14,8 +14,8 @@ from typing import Literal
 
 import msgspec
 
-from speckernel.errors import InvalidInputError
-from speckernel.sampling_params import SamplingParams
+from ...errors import InvalidInputError
+from ...sampling_params import SamplingParams
 
 # --- requests -----------------------------------------------------------------------------------
 

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from speckernel.models.llama import LlamaModel
-from speckernel.ops.paged_attention import AttentionMetadata
-from speckernel.plugin import TargetModel, TrainBatch
+from ...attention import AttentionMetadata
+from ...models.llama import LlamaModel
+from ...plugin import TargetModel, TrainBatch
 
 
 @dataclass
@@ -94,8 +94,8 @@ def generate(config: Any, conversations: list[list[dict[str, str]]], max_tokens:
     sampled at `temperature` (more varied text; the labels stay the target's greedy tokens).
     With `seconds` (counted from when the engine is up), conversations not started by then are
     left out (answers under way finish), so a time-boxed run keeps what it made."""
-    from speckernel.frontend.async_engine import AsyncEngine
-    from speckernel.sampling_params import SamplingParams
+    from ...frontend.async_engine import AsyncEngine
+    from ...sampling_params import SamplingParams
 
     async def run() -> list[tuple[list[int], list[int]]]:
         pairs: list[tuple[list[int], list[int]]] = [([], []) for _ in conversations]

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from speckernel.errors import InvalidInputError
+from ...errors import InvalidInputError
 
 if TYPE_CHECKING:
-    from speckernel.tools.train.data import Sequences
+    from .data import Sequences
 
 LEARNED = ("mtp", "eagle3", "dflash", "dspark", "causal_cascade")
 
@@ -103,7 +103,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 def load_data(args: argparse.Namespace, out: Path) -> Sequences:
     import numpy as np
 
-    from speckernel.tools.train.data import Sequences, generate
+    from .data import Sequences, generate
 
     paths = args.data or [out.parent / "data.npz"]
     if all(p.exists() for p in paths):
@@ -114,8 +114,8 @@ def load_data(args: argparse.Namespace, out: Path) -> Sequences:
         raise InvalidInputError(f"--data: {', '.join(str(p) for p in paths if not p.exists())} missing; "
                                 "data is generated into one file")
     path = paths[0]
-    from speckernel.config import EngineConfig
-    from speckernel.tools.train.corpus import build_corpus, read_corpus
+    from ...config import EngineConfig
+    from .corpus import build_corpus, read_corpus
 
     conversations = [c for f in args.prompts for c in read_corpus(f)] if args.prompts \
         else build_corpus(args.num_prompts, seed=args.seed)
@@ -210,8 +210,8 @@ def start_method(args: argparse.Namespace, method: str, out: Path, init: Path | 
     import msgspec
     import torch
 
-    from speckernel import registry
-    from speckernel.tools.train.data import label_counts
+    from ... import registry
+    from .data import label_counts
 
     cls = registry.load("speculator", method)
     overrides = parse_overrides(args.set)
@@ -246,9 +246,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from tqdm import tqdm
 
-    from speckernel.models.builtin import resolve
-    from speckernel.models.loader import load_model, read_config
-    from speckernel.tools.train.data import TargetFeatures, batches
+    from ...models.checkpoint import read_config, resolve
+    from ...models.loader import load_model
+    from .data import TargetFeatures, batches
 
     if args.minutes < 0:
         raise InvalidInputError(f"--minutes: expected >= 0, got {args.minutes}")

@@ -1,44 +1,13 @@
-"""Shape and numerics of a Llama-family checkpoint, read from GGUF metadata or config.json."""
+"""A Hugging Face config.json onto ModelConfig."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
-import msgspec
-
-
-class RopeScaling(msgspec.Struct, frozen=True, kw_only=True):
-    kind: str = "default"
-    """default, linear, dynamic, llama3 or yarn."""
-    factor: float = 1.0
-    original_max_position: int | None = None
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float | None = None
-
-
-class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
-    architecture: str = "llama"
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling = RopeScaling()
-    max_position: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    """Qwen2 puts biases on q, k and v."""
-    qk_norm: bool = False
-    """Qwen3 normalises each head of q and k."""
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
+from ..errors import UnknownModelError
+from ..model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 
 
 def rope_scaling_from_hf(raw: dict[str, Any] | None) -> RopeScaling:
@@ -57,15 +26,10 @@ def rope_scaling_from_hf(raw: dict[str, Any] | None) -> RopeScaling:
     )
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-
-
 def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
     archs = cfg.get("architectures") or []
     model_type = cfg.get("model_type", "llama")
     if model_type not in SUPPORTED_ARCHITECTURES:
-        from speckernel.errors import UnknownModelError
-
         raise UnknownModelError(
             f"model_type {model_type!r} ({archs}) is not a supported Llama-family architecture; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -94,3 +58,7 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )
+
+
+def hf_config(folder: Path) -> ModelConfig:
+    return from_hf_config(json.loads((folder / "config.json").read_text()))

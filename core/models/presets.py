@@ -14,22 +14,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
-import torch
 
-from speckernel.errors import UnknownModelError
-from speckernel.models.config import ModelConfig
-from speckernel.models.llama import LlamaModel
-from speckernel.ops.rope import cos_sin_table
+from ..errors import UnknownModelError
+from ..model_config import ModelConfig
 
 PREFIX = "random:"
+
+
 PRESETS = {
     "llama3-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                              num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position=8192),
     "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16, max_position=2048),
 }
-INIT_STD = 0.02
-SEED = 0
 
 
 def is_random(name: str | Path) -> bool:
@@ -55,22 +52,3 @@ def random_config(name: str | Path) -> ModelConfig:
         return msgspec.convert(raw, ModelConfig, strict=False)
     except msgspec.ValidationError as e:
         raise UnknownModelError(f"{str(name)!r}: {e}") from None
-
-
-@torch.no_grad()
-def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int) -> LlamaModel:
-    """Matrices ~ N(0, INIT_STD), norm weights 1, biases 0, allocated on `device` directly."""
-    with torch.device("meta"):
-        model = LlamaModel(cfg, max_len)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(SEED)
-    for name, param in model.named_parameters():
-        if name.endswith("bias"):
-            param.zero_()
-        elif param.ndim == 1:  # norm weights
-            param.fill_(1.0)
-        else:
-            param.normal_(0.0, INIT_STD, generator=generator)
-    cos, sin = cos_sin_table(cfg, max_len)
-    model.cos, model.sin = cos.to(device), sin.to(device)  # rotary tables stay float32, as loaded ones do
-    return model.eval().requires_grad_(False)

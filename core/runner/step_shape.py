@@ -1,0 +1,51 @@
+"""What fixes a step's device work, what that work leaves behind, and what device graphs need of
+the runner: the seam between `model_runner` and `step_graphs`, so neither imports the other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..attention import AttentionBackend, AttentionMetadata
+from ..kernel.frame import StepFrame
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What fixes a step's device work: padded rows and tokens, verify width, sampling kind."""
+
+    rows: int
+    tokens: int
+    k: int
+    """Drafts verified per row (0: plain decode)."""
+    max_query_len: int
+    all_greedy: bool
+    any_filter: bool
+    decode_like: bool = False
+    """Every row samples and has one input token plus its drafts (what graphs serve)."""
+    draft_k: int = 0
+    """Drafts a device-only speculator proposes after the step (0: its sync pass, or none)."""
+
+
+@dataclass
+class DeviceOutputs:
+    """What the device part of a step leaves behind (graph-static when replayed)."""
+
+    packed: torch.Tensor
+    """[R, K + 2]: K + 1 output tokens (-1 padded), then the accepted count."""
+    hidden: torch.Tensor
+    captured: dict[int, torch.Tensor]
+    drafts: torch.Tensor | None = None
+    """[R, draft_k] what a device-only speculator proposed (-1 ends a row), already in the buffer."""
+
+
+class StepDevice(Protocol):
+    """The part of the runner a graph captures: plan a step's buffers, run its device work."""
+
+    attention: AttentionBackend
+
+    def plan(self, frame: StepFrame, padded: StepShape | None) -> AttentionMetadata: ...
+
+    def device_step(self, meta: AttentionMetadata, shape: StepShape) -> DeviceOutputs: ...
