@@ -62,7 +62,7 @@ def byte_tokenizer() -> Tokenizer:
 @pytest.fixture(scope="module", autouse=True)
 def _tokenizer() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(async_engine_mod.Tokenizer, "load", staticmethod(lambda path: byte_tokenizer()))
+        mp.setattr(async_engine_mod, "load_tokenizer", lambda path: byte_tokenizer())
         yield
 
 
