@@ -77,9 +77,9 @@ def check(config: EngineConfig, spell: Spell = field_name) -> Checked:
     if config.speculator is not None:
         cls = registry.load("speculator", config.speculator)
         k, max_k = config.num_speculative_tokens, cls.capabilities.max_k
-        if not 1 <= k <= max_k:
+        if k > max_k:  # K >= 1 with a speculator: validate checked it
             raise InvalidInputError(f"{spell('num_speculative_tokens')}: speculator {config.speculator!r} drafts "
-                                    f"1 to {max_k} tokens per step; got {k}")
+                                    f"at most {max_k} tokens per step; got {k}")
         options = parse_options(config.speculator, cls.Options, dict(config.speculator_options))
     path = resolve(config.model)
     return Checked(config=config, path=path, max_model_len=context_limit(config, path),

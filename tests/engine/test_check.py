@@ -22,7 +22,7 @@ TINY = EngineConfig(model="random:tiny", platform="cpu", dtype="float32")
     ({"draft_model": "x.gguf"}, InvalidInputError, r"^draft_model is read by a speculator: add speculator NAME"),
     ({"speculator_options": {"a": "1"}}, InvalidInputError, r"^speculator_options is read by a speculator"),
     ({"speculator": "ngram", "num_speculative_tokens": 17}, InvalidInputError,
-     r"^num_speculative_tokens: speculator 'ngram' drafts 1 to 16 tokens per step; got 17$"),
+     r"^num_speculative_tokens: speculator 'ngram' drafts at most 16 tokens per step; got 17$"),
     ({"speculator": "ngram", "num_speculative_tokens": 0}, InvalidInputError,
      r"^num_speculative_tokens: expected >= 1"),
     ({"speculator": "ngram", "speculator_options": {"bogus": "1"}}, InvalidInputError, r"unknown option\(s\) bogus"),
@@ -43,7 +43,7 @@ def test_check_names_fields_as_the_library_spells_them(overrides: dict[str, obje
 
 
 async def test_async_engine_checks_before_it_starts_a_core() -> None:
-    with pytest.raises(InvalidInputError, match="num_speculative_tokens: speculator 'ngram' drafts 1 to 16"):
+    with pytest.raises(InvalidInputError, match="num_speculative_tokens: speculator 'ngram' drafts at most 16"):
         async with AsyncEngine(TINY, speculator="ngram", num_speculative_tokens=99):
             pass
 

@@ -49,7 +49,7 @@ CUDA = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU
         (["--prompt", ""], ["prompt is empty"]),
         (["--prompt", " \n "], ["prompt is empty"]),
         (["--prompt", "hi", "--speculator", "ngram", "--num-speculative-tokens", "100"],
-         ["'ngram' drafts 1 to 16", "got 100"]),
+         ["--num-speculative-tokens", "'ngram' drafts at most 16", "got 100"]),
         (["--prompt", "hi", "--speculator", "ngram", "--num-speculative-tokens", "0"], ["got 0"]),
         (["--prompt", "hi", "--dtype", "int8"], ["--dtype", "'int8'", "float32", "bfloat16"]),
         pytest.param(["--prompt", "hi", "--platform", "cuda"], ["'cuda'", "not available"], marks=CUDA),
