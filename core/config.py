@@ -12,6 +12,12 @@ from .sampling_params import MAX_INT32, MAX_INT64, Seed, strict_fields
 Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)]
 LogLevel = Annotated[str, msgspec.Meta(pattern="^(?i:debug|info|warning|error|critical)$")]
 
+CONTEXT_CAP = 4096
+"""Where `max_model_len=None` caps a model's context: the one definition the engine and the CLI
+read (a longer context is there for the asking)."""
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+"""The names `platform.DTYPES` maps to torch dtypes, here so a bad dtype fails without torch."""
+
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "smollm2-135m"
@@ -21,7 +27,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str | None = None
     """None takes the platform's default (float32 on CPU, bfloat16 on CUDA)."""
     max_model_len: Annotated[int, msgspec.Meta(ge=2, le=MAX_INT32)] | None = None
-    """None takes the model's context length, capped at 4096."""
+    """None takes the model's context length, capped at CONTEXT_CAP (4096)."""
     block_size: Positive = 16
     kv_cache_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT64)] | None = None
     """Memory budget for the paged KV cache; None sizes it from the platform's free memory. A

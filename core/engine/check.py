@@ -1,16 +1,110 @@
-"""`--speculator-option KEY=VALUE` strings → the speculator's own `Options` struct.
+"""Everything about an EngineConfig that can be known without weights, checked in one place.
 
-Validation lives in the struct's types and `msgspec.Meta` constraints, so an error names the
-option and what was expected; an unknown key lists every key that would be accepted.
+The CLI (before the model is fetched), `AsyncEngine` (before a core starts) and `EngineCore`
+(before a weight is read) all call `check`, so one mistake gets one message wherever it is
+made; the CLI passes a `spell` that names fields as its flags. No torch is imported here unless
+a speculator is named (loading its class imports it) or a platform is (the same).
+
+`--speculator-option KEY=VALUE` strings become the speculator's own `Options` struct in
+`parse_options`: validation lives in the struct's types and `msgspec.Meta` constraints, so an
+error names the option and what was expected; an unknown key lists every key that would be
+accepted.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from ..errors import InvalidInputError
+from .. import registry
+from ..config import CONTEXT_CAP, DTYPE_NAMES, EngineConfig
+from ..errors import InvalidInputError, PlatformUnavailableError, UnknownModelError, UnknownPluginError
+from ..models.builtin import BUILTIN_MODELS
+from ..models.checkpoint import read_config, resolve
+
+Spell = Callable[[str], str]
+"""How a caller names a config field in its messages (the CLI: by its flag)."""
+
+
+def field_name(field: str) -> str:
+    return field
+
+
+class Checked(msgspec.Struct, frozen=True, kw_only=True):
+    """What the check found, as its callers need it."""
+
+    config: EngineConfig
+    """The config with exact types (`EngineConfig.validate`)."""
+    path: Path
+    """The resolved model."""
+    max_model_len: int
+    """The longest context the engine can give the model before the KV cache is sized (the
+    cache may lower it; `plan_kv_cache` says so)."""
+    speculator: Any = None
+    """The speculator's class, None without one."""
+    options: Any = None
+    """The speculator's options, parsed into its `Options` struct."""
+
+
+def check(config: EngineConfig, spell: Spell = field_name) -> Checked:
+    """Field bounds, names (speculator, platform, dtype), K within the speculator's limit, its
+    options, the draft model, then the model itself (a built-in is fetched) and its context.
+    Raises the typed error (InvalidInputError or a subclass) naming the field as `spell` does."""
+    try:
+        config = config.validate()
+    except InvalidInputError as e:  # "field: expected ..." names the field as the caller does
+        field, _, rest = str(e).partition(": ")
+        raise InvalidInputError(f"{spell(field)}: {rest}") from None
+    if config.dtype is not None and config.dtype not in DTYPE_NAMES:
+        raise InvalidInputError(f"unknown dtype {config.dtype!r}; available: {', '.join(DTYPE_NAMES)}")
+    speculators = sorted(registry.discover("speculator"))
+    if config.speculator is None:
+        for field, given in (("draft_model", config.draft_model), ("speculator_options", config.speculator_options)):
+            if given:
+                raise InvalidInputError(f"{spell(field)} is read by a speculator: add {spell('speculator')} NAME "
+                                        f"(available: {', '.join(speculators)})")
+    elif config.speculator not in speculators:
+        raise UnknownPluginError("speculator", config.speculator, speculators)
+    _check_platform(config.platform)
+    draft = config.draft_model
+    if draft is not None and draft not in BUILTIN_MODELS and not draft.startswith("random:") \
+            and not Path(draft).expanduser().exists():
+        raise UnknownModelError(f"{spell('draft_model')} {draft}: no such file or folder")
+    cls = options = None
+    if config.speculator is not None:
+        cls = registry.load("speculator", config.speculator)
+        k, max_k = config.num_speculative_tokens, cls.capabilities.max_k
+        if k > max_k:  # K >= 1 with a speculator: validate checked it
+            raise InvalidInputError(f"{spell('num_speculative_tokens')}: speculator {config.speculator!r} drafts "
+                                    f"at most {max_k} tokens per step; got {k}")
+        options = parse_options(config.speculator, cls.Options, dict(config.speculator_options))
+    path = resolve(config.model)
+    return Checked(config=config, path=path, max_model_len=context_limit(config, path),
+                   speculator=cls, options=options)
+
+
+def _check_platform(name: str | None) -> None:
+    if name is None:
+        return
+    found = registry.discover("platform")
+    if name not in found:
+        raise UnknownPluginError("platform", name, list(found))
+    if not registry.load("platform", name).is_available():
+        raise PlatformUnavailableError(f"platform {name!r} is installed but not available here")
+
+
+def context_limit(config: EngineConfig, path: Path) -> int:
+    """The longest context the engine can give this model, as known before it loads: the
+    model's own (a built-in's from its entry, without reading its files), capped at CONTEXT_CAP
+    unless `max_model_len` asks for more."""
+    builtin = BUILTIN_MODELS.get(config.model)
+    known = builtin.context_length if builtin is not None and builtin.context_length else None
+    if known is None:
+        known = read_config(path).max_position
+    return min(config.max_model_len or min(known, CONTEXT_CAP), known)
 
 
 def parse_options(speculator: str, options_type: type[msgspec.Struct], raw: dict[str, str]) -> Any:

@@ -12,8 +12,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import msgspec
@@ -25,16 +24,17 @@ from ..config import EngineConfig
 from ..errors import InvalidInputError, PromptTooLongError
 from ..kernel.block_manager import BlockManager
 from ..kernel.frame import StepFrame, StepResult
+from ..kernel.kv_plan import KvPlan, plan_kv_cache
 from ..kernel.ledger import Ledger
 from ..kernel.request import Request
-from ..kernel.scheduler import Scheduler, SpecPolicy
+from ..kernel.scheduler import Scheduler
 from ..kernel.spec_governor import SpecGovernor
-from ..model_config import ModelConfig
-from ..models.checkpoint import read_config, resolve
+from ..kernel.spec_policy import lookahead_slots, spec_policy
+from ..models.checkpoint import read_config
 from ..models.loader import load_model
 from ..models.paged import kv_bytes_per_block
 from ..platform import parse_dtype
-from ..plugin import SpeculatorCapabilities, SpeculatorContext
+from ..plugin import Speculator, SpeculatorCapabilities, SpeculatorContext
 from ..runner.model_runner import ModelRunner, PendingStep
 from ..runner.step_graphs import StepGraphs, prefill_buckets
 from ..wire.messages import (
@@ -51,88 +51,66 @@ from ..wire.messages import (
     UtilityResult,
     check_wire,
 )
-from .check import parse_options
+from .check import Checked, check
 
-DEFAULT_MAX_MODEL_LEN = 4096
+
+class Speculation(NamedTuple):
+    """The speculator as checked at start: its class, the context it is built with, and what it
+    declares for this target."""
+
+    cls: Any
+    ctx: SpeculatorContext
+    caps: SpeculatorCapabilities
+
+
+class InFlight(NamedTuple):
+    """A frame handed to the runner thread, with when it was scheduled (the governor times it)."""
+
+    frame: StepFrame
+    started: float
+    launched: Future[PendingStep]
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config = config.validate()
+        checked = check(config)  # everything knowable without weights, as the frontend checked it
+        self.config = config = checked.config
         self.log = log.get("engine_core")
         self.platform = registry.pick_platform(config.platform)
         self.dtype = parse_dtype(config.dtype) if config.dtype else self.platform.default_dtype()
-        path = resolve(config.model)
-        model_cfg = read_config(path)
-        max_len = min(config.max_model_len or min(model_cfg.max_position, DEFAULT_MAX_MODEL_LEN),
-                      model_cfg.max_position)
-        # The speculator is checked before any weight is read: bad names, options and
-        # capabilities this target or platform cannot serve fail here, before any request.
-        spec_cls, ctx, caps = self._check_speculator(model_cfg, path, max_len)
-        k = config.num_speculative_tokens if spec_cls is not None else 0
-        draft_bytes = spec_cls.draft_kv_bytes_per_token(ctx) if spec_cls is not None else 0
-        per_block = kv_bytes_per_block(model_cfg, config.block_size, self.dtype) + draft_bytes * config.block_size
-        num_blocks = config.num_kv_blocks or max(1, (config.kv_cache_bytes or self.platform.kv_budget_bytes())
-                                                 // per_block)
-        lookahead = caps.lookahead_slots(k) if caps is not None else 0
-        # One request must always fit alone, or preemption could never make progress.
-        held = num_blocks * config.block_size - lookahead
-        self.max_model_len = min(max_len, held)
-        if held < max_len:  # a cache the user sized, or a context they asked for, fails; a default warns
-            need = -(-(max_len + lookahead) // config.block_size)
-            why = (f"a KV cache of {num_blocks} blocks holds {held} tokens per request, below max_model_len "
-                   f"{max_len}; give it {need} blocks ({need * per_block} bytes) or lower max_model_len")
-            if held < 2 or config.kv_cache_bytes or config.num_kv_blocks or config.max_model_len:
-                raise InvalidInputError(why)
-            self.log.warning("kv_cache_shrinks_context", max_model_len=max_len, context=held, reason=why)
-        self.model_cfg = model_cfg
-        model = load_model(path, self.dtype, self.platform.device, self.max_model_len + lookahead)
-        self.speculator = None
-        if spec_cls is not None and ctx is not None:
-            draft_kv = None
-            if draft_bytes:
-                draft_kv = torch.zeros(num_blocks * config.block_size * draft_bytes, dtype=torch.uint8,
-                                       device=self.platform.device)
-            ctx = dataclasses.replace(
-                ctx, max_model_len=self.max_model_len, num_kv_blocks=num_blocks, draft_kv=draft_kv,
-                attention=self.platform.attention_backend(config.block_size, config.max_num_batched_tokens),
-                num_slots=config.max_num_seqs + 1, fused_kernels=self.platform.capabilities.triton)
-            self.speculator = spec_cls(ctx)
-        max_blocks = -(-(self.max_model_len + lookahead + k + 1) // config.block_size)
+        self.model_cfg = read_config(checked.path)
+        # What the speculator can serve for this target and platform fails here, before any weight is read.
+        spec = self._check_speculator(checked)
+        k = config.num_speculative_tokens if spec is not None else 0
+        caps = spec.caps if spec is not None else None
+        kv = plan_kv_cache(
+            config, context=checked.max_model_len,
+            target_bytes_per_block=kv_bytes_per_block(self.model_cfg, config.block_size, self.dtype),
+            lookahead_slots=lookahead_slots(caps, k),
+            draft_kv_bytes_per_token=spec.cls.draft_kv_bytes_per_token(spec.ctx) if spec is not None else 0,
+            budget_bytes=self.platform.kv_budget_bytes)
+        self.max_model_len = kv.max_model_len
+        model = load_model(checked.path, self.dtype, self.platform.device, kv.max_model_len + kv.lookahead_slots)
+        self.speculator = self._build_speculator(spec, kv) if spec is not None else None
         attention = self.platform.attention_backend(config.block_size, config.max_num_batched_tokens,
-                                                    max_rows=config.max_num_seqs + 1, max_blocks=max_blocks)
-        # Where the plan lives on the device, a step verifies K slots whatever the drafts (graphs
-        # pad to K anyway): variable-width drafts are padded with -1 there instead of copied to
-        # the host, and a device-only speculator's requests run ahead of their accepted counts.
-        device_planned = attention.device_planned
-        variable_width = caps is not None and caps.draft_width == "variable" and not device_planned
-        run_ahead = (caps is not None and caps.device_only and device_planned and config.async_scheduling
-                     and not variable_width)
-        self.runner = ModelRunner(model, self.platform.device, num_blocks, config.block_size, attention,
+                                                    max_rows=config.max_num_seqs + 1,
+                                                    max_blocks=kv.blocks_per_request(k))
+        policy = spec_policy(caps, attention, config)
+        self.runner = ModelRunner(model, self.platform.device, kv.num_blocks, config.block_size, attention,
                                   num_slots=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  speculator=self.speculator, max_k=k, use_triton=self.platform.capabilities.triton,
+                                  speculator=self.speculator, num_speculative_tokens=k,
+                                  use_triton=self.platform.capabilities.triton,
                                   force_host_drafts=config.force_host_drafts,
-                                  max_num_tokens=config.max_num_batched_tokens, run_ahead=run_ahead)
+                                  max_num_tokens=config.max_num_batched_tokens,
+                                  run_ahead=policy is not None and policy.run_ahead)
         if self.platform.capabilities.triton:
             model.use_triton_ops(True)
-        if (self.platform.capabilities.supports_graphs and not config.enforce_eager
-                and attention.supports_padding):
-            graphs = StepGraphs(self.runner, self.platform, config.max_num_seqs, (0, k),
-                                draft_ks=(0, k) if caps is not None and caps.device_only else (0,),
-                                prefill_tokens=prefill_buckets(min(config.max_num_batched_tokens, self.max_model_len)))
-            try:
-                graphs.capture()
-                self.runner.graphs = graphs
-            except Exception:  # the engine still serves, eagerly; stats show no graph steps
-                self.log.exception("graph_capture_failed")
-        policy = None if spec_cls is None else SpecPolicy(
-            num_speculative_tokens=k, lookahead_slots=lookahead,
-            variable_width=variable_width, skip_drafts=config.skip_drafts, run_ahead=run_ahead)
-        self.scheduler = Scheduler(BlockManager(num_blocks, config.block_size),
+        self.runner.graphs = self._capture_graphs(caps, k)
+        self.scheduler = Scheduler(BlockManager(kv.num_blocks, config.block_size),
                                    config.max_num_seqs, config.max_num_batched_tokens, policy,
                                    async_scheduling=config.async_scheduling)
         self.ledger = Ledger(self.scheduler)
-        self.governor = SpecGovernor() if config.adaptive_speculation and spec_cls is not None else None
+        self.governor = SpecGovernor() if config.adaptive_speculation and spec is not None else None
         if self.governor is not None:
             self.scheduler.draft_gate = self.governor.allow
         self.seeds = np.random.default_rng(config.seed)
@@ -143,32 +121,63 @@ class EngineCore:
         self.num_prompt_tokens = 0
         self.started = time.monotonic()
         self.log.info("engine_core_ready", platform=self.platform.name, dtype=str(self.dtype),
-                      num_kv_blocks=num_blocks, max_model_len=self.max_model_len, model=str(path))
+                      num_kv_blocks=kv.num_blocks, max_model_len=self.max_model_len, model=str(checked.path))
 
-    def _check_speculator(self, model_cfg: ModelConfig, path: Path, max_len: int
-                          ) -> tuple[Any, SpeculatorContext | None, SpeculatorCapabilities | None]:
+    def _check_speculator(self, checked: Checked) -> Speculation | None:
+        """The named speculator's own checks against this target, and its capabilities for it."""
+        cls = checked.speculator
+        if cls is None:
+            return None
         name = self.config.speculator
-        if name is None:
-            return None, None, None
-        cls = registry.load("speculator", name)
-        k = self.config.num_speculative_tokens
-        if k > cls.capabilities.max_k:
-            raise InvalidInputError(f"speculator {name!r} drafts at most {cls.capabilities.max_k} tokens; got K={k}")
         ctx = SpeculatorContext(
-            target=model_cfg, target_path=path, device=self.platform.device, dtype=self.dtype,
-            block_size=self.config.block_size, max_model_len=max_len, num_speculative_tokens=k,
-            options=parse_options(name, cls.Options, dict(self.config.speculator_options)),
+            target=self.model_cfg, target_path=checked.path, device=self.platform.device, dtype=self.dtype,
+            block_size=self.config.block_size, max_model_len=checked.max_model_len,
+            num_speculative_tokens=self.config.num_speculative_tokens, options=checked.options,
             draft_model=self.config.draft_model)
         cls.check(ctx)
-        for_target = getattr(cls, "capabilities_for", None)
-        caps: SpeculatorCapabilities = for_target(ctx) if for_target is not None else cls.capabilities
-        bad_layers = [layer for layer in caps.target_hidden_layers if not 0 <= layer < model_cfg.num_layers]
+        # SpeculatorBase (every built-in) has capabilities_for; a plugin written to the protocol
+        # before it gained the classmethod declares only `capabilities`.
+        caps: SpeculatorCapabilities = cls.capabilities_for(ctx) if hasattr(cls, "capabilities_for") \
+            else cls.capabilities
+        num_layers = self.model_cfg.num_layers
+        bad_layers = [layer for layer in caps.target_hidden_layers if not 0 <= layer < num_layers]
         if bad_layers:
             raise InvalidInputError(f"speculator {name!r} needs hidden states of layers {bad_layers}; "
-                                    f"the target has {model_cfg.num_layers}")
+                                    f"the target has {num_layers}")
         if caps.placement != "local_last_stage":
             raise InvalidInputError(f"speculator {name!r} needs remote placement, which this runner cannot serve yet")
-        return cls, ctx, caps
+        return Speculation(cls, ctx, caps)
+
+    def _build_speculator(self, spec: Speculation, kv: KvPlan) -> Speculator:
+        """The speculator, built with the cache it shares: the context held, the block count, its
+        draft-KV memory and an attention backend of its own."""
+        config = self.config
+        draft_kv = None
+        if kv.draft_kv_bytes:
+            draft_kv = torch.zeros(kv.draft_kv_bytes, dtype=torch.uint8, device=self.platform.device)
+        ctx = dataclasses.replace(
+            spec.ctx, max_model_len=kv.max_model_len, num_kv_blocks=kv.num_blocks, draft_kv=draft_kv,
+            attention=self.platform.attention_backend(config.block_size, config.max_num_batched_tokens),
+            num_slots=config.max_num_seqs + 1, fused_kernels=self.platform.capabilities.triton)
+        speculator: Speculator = spec.cls(ctx)
+        return speculator
+
+    def _capture_graphs(self, caps: SpeculatorCapabilities | None, k: int) -> StepGraphs | None:
+        """Device graphs of decode and verification steps (verify width 0 or K) and of lone
+        prompts, where the platform and the backend allow; None runs every step eagerly."""
+        config = self.config
+        if not (self.platform.capabilities.supports_graphs and not config.enforce_eager
+                and self.runner.attention.supports_padding):
+            return None
+        graphs = StepGraphs(self.runner, self.platform, config.max_num_seqs, verify_widths=(0, k),
+                            propose_widths=(0, k) if caps is not None and caps.device_only else (0,),
+                            prefill_tokens=prefill_buckets(min(config.max_num_batched_tokens, self.max_model_len)))
+        try:
+            graphs.capture()
+        except Exception:  # the engine still serves, eagerly; stats show no graph steps
+            self.log.exception("graph_capture_failed")
+            return None
+        return graphs
 
     def ready_message(self) -> CoreReady:
         return CoreReady(platform=self.platform.name, dtype=str(self.dtype).removeprefix("torch."),
@@ -319,39 +328,54 @@ class EngineCore:
     async def run(self, emit: Callable[[CoreMessage], Awaitable[None]]) -> None:
         """Steps until a Shutdown message arrives; `emit` sends a message to the frontend.
 
-        One runner thread executes frames in order. With async scheduling the next frame is
-        scheduled and queued while the current one runs; results are applied in step order."""
+        Each turn answers the inbox, schedules frames (up to `pipeline_depth` in flight, launched
+        in order by one runner thread), then waits for the oldest frame and applies its result.
+        At depth 2 frame N+1 is scheduled and launched while frame N runs; results are applied
+        in step order all the same. With nothing to run, the loop sleeps until a message comes."""
         self.wakeup = anyio.Event()
-        # Run ahead only when requests can: a speculative request without run-ahead waits for its
-        # frame, and a second frame would then hold only the rest of the batch, halving every step.
-        spec = self.scheduler.spec
-        depth = 2 if self.scheduler.async_scheduling and (spec is None or spec.run_ahead) else 1
-        in_flight: deque[tuple[StepFrame, float, Future[PendingStep]]] = deque()
+        depth = self.pipeline_depth()
+        in_flight: deque[InFlight] = deque()
         runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speckernel-runner")
         try:
             while self.running:
-                errors, results = self._handle_inbox()
-                for r in results:
-                    await emit(r)
-                if errors:
-                    await emit(CoreOutputs(errors))
+                await self._answer_inbox(emit)
                 if not self.running:
                     break
                 while len(in_flight) < depth and (frame := self.scheduler.schedule()) is not None:
                     self.ledger.submit(frame)
-                    in_flight.append((frame, time.perf_counter(), runner.submit(self.runner.launch, frame)))
+                    in_flight.append(InFlight(frame, time.perf_counter(), runner.submit(self.runner.launch, frame)))
                 if not in_flight:
-                    if not self.inbox:
-                        await self.wakeup.wait()
-                    self.wakeup = anyio.Event()
+                    await self._idle()
                     continue
-                frame, started, launched = in_flight.popleft()
-                result = await anyio.to_thread.run_sync(_finish, launched)
-                deltas = self._apply(result, frame, started)
+                oldest = in_flight.popleft()
+                result = await anyio.to_thread.run_sync(_finish, oldest.launched)
+                deltas = self._apply(result, oldest.frame, oldest.started)
                 if deltas:
                     await emit(CoreOutputs(deltas))
         finally:
             runner.shutdown(wait=True, cancel_futures=True)
+
+    def pipeline_depth(self) -> int:
+        """Frames in flight at once: 2 with async scheduling, where requests can run ahead. A
+        speculative request without run-ahead waits for its frame, and a second frame would then
+        hold only the rest of the batch, halving every step."""
+        spec = self.scheduler.spec
+        return 2 if self.scheduler.async_scheduling and (spec is None or spec.run_ahead) else 1
+
+    async def _answer_inbox(self, emit: Callable[[CoreMessage], Awaitable[None]]) -> None:
+        """Applies every queued message; sends the utility results, then the refused requests."""
+        errors, results = self._handle_inbox()
+        for r in results:
+            await emit(r)
+        if errors:
+            await emit(CoreOutputs(errors))
+
+    async def _idle(self) -> None:
+        """Nothing to run: waits for a message (unless one came meanwhile), then re-arms the wakeup."""
+        assert self.wakeup is not None
+        if not self.inbox:
+            await self.wakeup.wait()
+        self.wakeup = anyio.Event()
 
 
 def _finish(launched: Future[PendingStep]) -> StepResult:

@@ -14,12 +14,14 @@ fails with an error instead of waiting.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.from_thread
@@ -41,6 +43,9 @@ from ..wire.messages import (
     Shutdown,
     check_wire,
 )
+
+if TYPE_CHECKING:
+    from .core import EngineCore
 
 POLL_MS = 100
 HEARTBEAT_S = 0.5
@@ -100,135 +105,158 @@ def _curve_client(sock: zmq.Socket, boot: CoreBootstrap) -> None:  # type: ignor
     sock.curve_secretkey = boot.secret_key
 
 
-def run_core_process(boot: CoreBootstrap) -> int:
-    """Serves until told to stop; returns the process's exit code."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    config = boot.config
-    log.configure(config.log_level)
-    logger = log.get("core_process")
-    ctx = zmq.Context()
-    inbound = ctx.socket(zmq.PULL)
-    _curve_client(inbound, boot)
-    inbound.connect(boot.in_addr)
-    outbound = ctx.socket(zmq.PUSH)
-    outbound.setsockopt(zmq.SNDHWM, 0)  # queue rather than block the loop behind a slow frontend
-    _curve_client(outbound, boot)
-    outbound.connect(boot.out_addr)
-    encoder = Encoder()
-    frontend_gone = threading.Event()
+class CoreProcess:
+    """The engine core's process, in two halves. The socket side owns both sockets and the
+    receive thread, which decodes and checks every frame off the loop and hands what it reads
+    to the core. The loop side runs EngineCore.run next to the heartbeat and the SIGTERM
+    handler, and reports a fatal error as CoreFailed. `run()` returns the exit code."""
 
-    def send(msg: CoreMessage) -> None:
+    def __init__(self, boot: CoreBootstrap) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        log.configure(boot.config.log_level)
+        self.boot = boot
+        self.log = log.get("core_process")
+        self.ctx = zmq.Context()
+        self.inbound = self.ctx.socket(zmq.PULL)
+        self.outbound = self.ctx.socket(zmq.PUSH)
+        self.outbound.setsockopt(zmq.SNDHWM, 0)  # queue rather than block the loop behind a slow frontend
+        for sock, addr in ((self.inbound, boot.in_addr), (self.outbound, boot.out_addr)):
+            _curve_client(sock, boot)
+            sock.connect(addr)
+        self.encoder = Encoder()
+        self.frontend_gone = threading.Event()
+        self.stop = threading.Event()
+        """Set once the loop is over: the receive thread leaves its poll."""
+        self.terminated = threading.Event()
+        """SIGTERM arrived: the loop ends as after Shutdown, and the exit code says why."""
+
+    def run(self) -> int:
+        """Serves until told to stop; the process's exit code."""
+        try:
+            # torch loads here, in the core process alone: the frontend imports this module too.
+            from .core import EngineCore
+
+            core = EngineCore(self.boot.config)
+        except Exception as e:
+            return self._finish(self._refused(e))
+        try:
+            self.send(core.ready_message())
+            anyio.run(self._serve, core)
+        except BaseException as e:  # whatever ended the loop: report it, exit non-zero
+            return self._finish(self._crashed(e))
+        if self.terminated.is_set():
+            self._report(CoreFailed("EngineDeadError", "engine core received SIGTERM"))
+            return self._finish(EXIT_TERMINATED)
+        return self._finish(0)
+
+    # --- the socket side ------------------------------------------------------------------
+
+    def send(self, msg: CoreMessage) -> None:
         """Never blocks: a connected PUSH queues; Again means the frontend's socket is gone."""
         try:
-            outbound.send_multipart(encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
+            self.outbound.send_multipart(self.encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            frontend_gone.set()
+            self.frontend_gone.set()
             raise _FrontendGone from None
 
-    def finish(code: int) -> int:
-        ctx.destroy(linger=0 if frontend_gone.is_set() else LINGER_MS)
-        return code
+    def _report(self, msg: CoreFailed) -> None:
+        """A last message, for a frontend that may be gone already."""
+        with contextlib.suppress(_FrontendGone):
+            self.send(msg)
 
-    try:
-        from .core import EngineCore
-
-        core = EngineCore(config)
-    except Exception as e:
-        if isinstance(e, InvalidInputError):  # the caller's mistake: the frontend reports it
-            logger.info("engine_core_start_refused", error=str(e))
-        else:
-            logger.exception("engine_core_start_failed")
+    def _receive(self, deliver: Callable[[FrontendMessage | Malformed], None], token: Any) -> None:
+        """Socket thread: decodes and checks frames and hands messages to the loop; a Shutdown
+        (sent, or made up when the frontend's process is gone) is the last."""
+        decoder = Decoder(FrontendMessage)
         try:
-            send(CoreFailed(type(e).__name__, str(e), isinstance(e, InvalidInputError)))
-        except _FrontendGone:
-            pass
-        return finish(0 if isinstance(e, InvalidInputError) else EXIT_CRASHED)
-    send(core.ready_message())
-    stop = threading.Event()
-    terminated = threading.Event()
+            while not self.stop.is_set():
+                msg: FrontendMessage | Malformed | None
+                if self.inbound.poll(POLL_MS):
+                    msg = self._decode(decoder, self.inbound.recv_multipart(copy=False))
+                elif os.getppid() != self.boot.parent_pid:
+                    self.log.warning("frontend_gone")
+                    self.frontend_gone.set()
+                    msg = Shutdown()
+                else:
+                    continue
+                if msg is not None:
+                    anyio.from_thread.run_sync(deliver, msg, token=token)
+                if isinstance(msg, Shutdown):
+                    return
+        except RuntimeError:  # the loop ended while a message was on its way: nothing to deliver to
+            return
 
-    def decode(decoder: Decoder, frames: list[Any]) -> FrontendMessage | Malformed | None:
+    def _decode(self, decoder: Decoder, frames: list[Any]) -> FrontendMessage | Malformed | None:
+        """The message, or what can be told of a frame that fails (logged, then dropped)."""
         try:
             msg: FrontendMessage = decoder.decode(frames)
             check_wire(msg)
             return msg
         except Exception as e:
             kind, ident = _probe(frames)
-            logger.warning("malformed_frame_dropped", kind=kind, ident=ident, num_frames=len(frames),
-                           exc_info=True)
+            self.log.warning("malformed_frame_dropped", kind=kind, ident=ident, num_frames=len(frames),
+                             exc_info=True)
             return Malformed(kind, ident, str(e)) if ident is not None else None
 
-    def receive(token: Any) -> None:
-        """Socket thread: decodes and checks frames, hands messages to the loop."""
-        decoder = Decoder(FrontendMessage)
-        try:
-            while not stop.is_set():
-                if not inbound.poll(POLL_MS):
-                    if os.getppid() != boot.parent_pid:
-                        logger.warning("frontend_gone")
-                        frontend_gone.set()
-                        anyio.from_thread.run_sync(core.deliver, Shutdown(), token=token)
-                        return
-                    continue
-                msg = decode(decoder, inbound.recv_multipart(copy=False))
-                if msg is not None:
-                    anyio.from_thread.run_sync(core.deliver, msg, token=token)
-                if isinstance(msg, Shutdown):
-                    return
-        except RuntimeError:  # the loop ended while a message was on its way: nothing to deliver to
-            return
+    def _finish(self, code: int) -> int:
+        self.ctx.destroy(linger=0 if self.frontend_gone.is_set() else LINGER_MS)
+        return code
 
-    async def on_sigterm() -> None:
-        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
-            async for _ in signals:
-                logger.info("sigterm")
-                terminated.set()
-                core.deliver(Shutdown())
+    # --- the loop side --------------------------------------------------------------------
 
-    async def heartbeat() -> None:
-        while True:
-            await anyio.sleep(HEARTBEAT_S)
-            send(Heartbeat())
-
-    async def main() -> None:
-        receiver = threading.Thread(target=receive, args=(anyio.lowlevel.current_token(),),
+    async def _serve(self, core: EngineCore) -> None:
+        receiver = threading.Thread(target=self._receive, args=(core.deliver, anyio.lowlevel.current_token()),
                                     name="speckernel-core-recv", daemon=True)
         receiver.start()
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(on_sigterm)
-                tg.start_soon(heartbeat)
-
-                async def emit(msg: CoreMessage) -> None:
-                    send(msg)
-
-                await core.run(emit)
+                tg.start_soon(self._on_sigterm, core)
+                tg.start_soon(self._heartbeat)
+                await core.run(self._emit)
                 tg.cancel_scope.cancel()
         finally:
-            stop.set()
+            self.stop.set()
             # The socket thread must be out of its poll before the context closes its socket.
             await anyio.to_thread.run_sync(receiver.join, 2 * POLL_MS / 1000)
 
-    try:
-        anyio.run(main)
-    except BaseException as e:  # whatever ended the loop: report it, exit non-zero
-        if frontend_gone.is_set() or any(isinstance(x, _FrontendGone) for x in _leaves(e)):
-            frontend_gone.set()
-            return finish(0)
-        logger.exception("engine_core_crashed")
+    async def _emit(self, msg: CoreMessage) -> None:
+        self.send(msg)
+
+    async def _on_sigterm(self, core: EngineCore) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+            async for _ in signals:
+                self.log.info("sigterm")
+                self.terminated.set()
+                core.deliver(Shutdown())
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await anyio.sleep(HEARTBEAT_S)
+            self.send(Heartbeat())
+
+    # --- exit codes -----------------------------------------------------------------------
+
+    def _refused(self, e: Exception) -> int:
+        """The core did not start: bad input is the caller's mistake (exit 0, the frontend
+        reports it); anything else is a crash (exit 1)."""
+        invalid = isinstance(e, InvalidInputError)
+        if invalid:
+            self.log.info("engine_core_start_refused", error=str(e))
+        else:
+            self.log.exception("engine_core_start_failed")
+        self._report(CoreFailed(type(e).__name__, str(e), invalid))
+        return 0 if invalid else EXIT_CRASHED
+
+    def _crashed(self, e: BaseException) -> int:
+        """The loop ended with e: 0 when the frontend is gone (nobody to tell), else CoreFailed
+        naming the real exception (not the task group around it) and exit 1."""
         leaves = _leaves(e)
-        try:
-            send(CoreFailed(type(leaves[0] if len(leaves) == 1 else e).__name__, _describe(e)))
-        except _FrontendGone:
-            pass
-        return finish(EXIT_CRASHED)
-    if terminated.is_set():
-        try:
-            send(CoreFailed("EngineDeadError", "engine core received SIGTERM"))
-        except _FrontendGone:
-            pass
-        return finish(EXIT_TERMINATED)
-    return finish(0)
+        if self.frontend_gone.is_set() or any(isinstance(x, _FrontendGone) for x in leaves):
+            self.frontend_gone.set()
+            return 0
+        self.log.exception("engine_core_crashed")
+        self._report(CoreFailed(type(leaves[0] if len(leaves) == 1 else e).__name__, _describe(e)))
+        return EXIT_CRASHED
 
 
 def _leaves(e: BaseException) -> list[BaseException]:
@@ -247,7 +275,7 @@ def main() -> None:
     """`python -m speckernel.engine.process`, with a CoreBootstrap (msgpack) on stdin."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     boot = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=CoreBootstrap)
-    code = run_core_process(boot)
+    code = CoreProcess(boot).run()
     # Sockets and threads are closed by now; skip the interpreter's teardown of torch, which takes
     # seconds (multiprocessing's children end the same way), so the core exits promptly.
     logging.shutdown()

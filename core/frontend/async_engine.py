@@ -27,12 +27,14 @@ from typing import Any
 import anyio
 import anyio.abc
 import anyio.to_thread
+import msgspec
 import numpy as np
 from anyio.streams.memory import MemoryObjectSendStream
 
-from .. import errors, registry
+from .. import errors
 from ..config import EngineConfig
-from ..models.checkpoint import load_tokenizer, resolve
+from ..engine.check import check
+from ..models.checkpoint import load_tokenizer
 from ..models.tokenizer import Tokenizer
 from ..outputs import RequestOutput, Timing
 from ..sampling_params import SamplingParams, prompt_token_ids, sampling_params
@@ -66,8 +68,6 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         config = config or EngineConfig()
         if overrides:
-            import msgspec
-
             config = msgspec.structs.replace(config, **overrides)
         self.config = config.validate()
         self.tokenizer: Tokenizer
@@ -86,12 +86,9 @@ class AsyncEngine:
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def __aenter__(self) -> AsyncEngine:
-        # Unknown names fail here, before a process is spawned or a weight is read.
-        if self.config.platform is not None:
-            registry.load("platform", self.config.platform)
-        if self.config.speculator is not None:
-            registry.load("speculator", self.config.speculator)
-        path = await anyio.to_thread.run_sync(resolve, self.config.model)
+        # Everything knowable without weights fails here, before a process is spawned; a thread,
+        # since a built-in model may be fetched.
+        path = (await anyio.to_thread.run_sync(check, self.config)).path
         client: CoreClient = InprocClient(self.config) if self.config.in_process else ProcessClient(self.config)
         # Unwinds in reverse: stop the pump, wait for the task group, then free the sockets.
         self._stack.callback(client.release)

@@ -93,7 +93,7 @@ class InprocClient(CoreClient):
         self.tx, self.rx = anyio.create_memory_object_stream[CoreMessage | None](math.inf)
 
     async def start(self, tg: TaskGroup) -> CoreReady:
-        from ..engine.core import EngineCore
+        from ..engine.core import EngineCore  # torch, imported only when the core runs in this process
 
         self.core = await anyio.to_thread.run_sync(EngineCore, self.config)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from ..config import EngineConfig
@@ -70,8 +71,6 @@ class Engine:
             return last
 
         async def run_all() -> list[RequestOutput]:
-            import anyio
-
             results: list[RequestOutput | None] = [None] * len(prompts)
 
             async def fill(i: int) -> None:

@@ -3,6 +3,19 @@
 Both carry the step id and each row's (key, generation): that pair is how the ledger knows
 which request state a piece of model output belongs to. A row also names its request's slot,
 the index into the runner's per-request device buffers (the token buffer above all).
+
+K has one spelling and one meaning: K = `num_speculative_tokens`, the drafts proposed per step
+for each row. EngineConfig, StepFrame, SpecPolicy, SpeculatorContext and the ModelRunner all
+name it so, and a speculator's `propose(states, k)` receives it. Three neighbours keep their
+own names:
+
+- `SpeculatorCapabilities.max_k`: the most a speculator can propose per step, its limit;
+  `engine.check` bounds K by it.
+- `ScheduledRow.num_drafts`: the drafts one row verifies in this step (at most K; 0 after a
+  K=0 step). `StepShape.verify_width` is its maximum over a step's rows, which captured graphs
+  pad to 0 or K.
+- `StepShape.propose_width`: the drafts a device-only speculator proposes inside a step's
+  device work: K, or 0 when it runs only its sync pass.
 """
 
 from __future__ import annotations

@@ -14,26 +14,11 @@ import itertools
 from collections import deque
 from collections.abc import Callable
 
-import msgspec
-
 from ..sampling_params import RowSampling
 from .block_manager import BlockManager
 from .frame import ScheduledRow, StepFrame
 from .request import Request, Status
-
-
-class SpecPolicy(msgspec.Struct, frozen=True, kw_only=True):
-    """What the scheduler needs to know of the speculator: derived from its capabilities."""
-
-    num_speculative_tokens: int
-    lookahead_slots: int
-    variable_width: bool
-    """Draft IDs must reach the host (variable width, where the device does not pad them)."""
-    skip_drafts: bool = True
-    """Allow K=0 steps (off: `--no-skip-drafts`, for comparison)."""
-    run_ahead: bool = False
-    """Schedule a speculative request's next step while its current one is in flight, as if
-    every draft is accepted (the device moves the row back by what was rejected)."""
+from .spec_policy import SpecPolicy
 
 
 class Scheduler:

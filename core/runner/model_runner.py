@@ -70,7 +70,7 @@ class PendingStep:
 class ModelRunner:
     def __init__(self, model: LlamaModel, device: torch.device, num_blocks: int, block_size: int,
                  attention: AttentionBackend, num_slots: int, max_model_len: int,
-                 speculator: Speculator | None = None, max_k: int = 0, use_triton: bool = False,
+                 speculator: Speculator | None = None, num_speculative_tokens: int = 0, use_triton: bool = False,
                  force_host_drafts: bool = False, max_num_tokens: int = 0, run_ahead: bool = False) -> None:
         self.model = model
         self.device = device
@@ -81,11 +81,12 @@ class ModelRunner:
         self.force_host_drafts = force_host_drafts
         self.num_slots = num_slots
         # The plan buffer never moves under captured graphs.
-        tokens = max(max_num_tokens, num_slots * (max_k + 1))
+        k = num_speculative_tokens
+        tokens = max(max_num_tokens, num_slots * (k + 1))
         attention.reserve(tokens, num_slots, ROW_FIELDS, 3 * tokens)
         # Room for the context, K drafts past it, and one spare column that catches padding;
         # one spare row takes what padding rows of a device graph write.
-        self.pool = TokenPool(num_slots + 1, max_model_len + max_k + 2, device)
+        self.pool = TokenPool(num_slots + 1, max_model_len + k + 2, device)
         self.pool.tokens[num_slots] = 0  # padding rows read their inputs there: any valid id
         caps = speculator.capabilities if speculator is not None else None
         self.device_spec = caps is not None and caps.device_only
@@ -96,7 +97,7 @@ class ModelRunner:
         self.hidden_layers = caps.target_hidden_layers if caps is not None else ()
         self.draft_probs: torch.Tensor | None = None
         if caps is not None and caps.sampled_drafts:
-            self.draft_probs = torch.zeros(num_slots + 1, max(max_k, 1), model.cfg.vocab_size, device=device)
+            self.draft_probs = torch.zeros(num_slots + 1, max(k, 1), model.cfg.vocab_size, device=device)
         self.target: TargetModel | None = None
         if caps is not None and (caps.uses_target_kv or caps.uses_target_weights):
             weights = caps.uses_target_weights
@@ -157,19 +158,19 @@ class ModelRunner:
     def step_shape(self, frame: StepFrame) -> StepShape:
         """The step's shape before padding, and whether it is a decode/verify step graphs fit."""
         rows = frame.rows
-        k = max((r.num_drafts for r in rows), default=0)
         sampling = [r.sampling for r in rows if r.sampling is not None]
-        draft_k = 0
+        propose = 0
         if self.device_spec and sampling and frame.num_speculative_tokens:
             assert self.speculator is not None
             if not frame.skip_drafts or not self.speculator.capabilities.supports_k0:
-                draft_k = frame.num_speculative_tokens
-        return StepShape(rows=len(rows), tokens=frame.num_tokens, k=k,
+                propose = frame.num_speculative_tokens
+        return StepShape(rows=len(rows), tokens=frame.num_tokens,
+                         verify_width=max((r.num_drafts for r in rows), default=0),
                          max_query_len=max((r.num_tokens for r in rows), default=0),
                          all_greedy=all(s.temperature == 0.0 for s in sampling),
                          any_filter=any(s.top_k > 0 or s.top_p < 1.0 for s in sampling),
                          decode_like=all(r.sampling is not None and r.num_tokens == 1 + r.num_drafts for r in rows),
-                         draft_k=draft_k)
+                         propose_width=propose)
 
     def plan(self, frame: StepFrame, padded: StepShape | None) -> AttentionMetadata:
         """Packs the step's plan (padded to a captured shape, if given) and sends it to the device
@@ -228,16 +229,16 @@ class ModelRunner:
                              top_p=floats[:, TOP_P].float(), seed=extra[:, SEED], position=extra[:, POSITION],
                              all_greedy=shape.all_greedy, any_filter=shape.any_filter)
         last = (meta.query_start[1:] - 1).clamp(min=0)
-        k = shape.k
-        if k == 0:
+        width = shape.verify_width
+        if width == 0:
             out = sample_on_device(self.model.logits(hidden[last]), st, use_triton=self.use_triton)[:, None]
             nacc = torch.zeros_like(slot)
         else:
-            cols = torch.arange(k + 1, device=self.device)
+            cols = torch.arange(width + 1, device=self.device)
             index = (last - num_drafts)[:, None] + torch.minimum(cols[None, :], num_drafts[:, None])
-            draft_pos = (out_pos[:, None] + cols[None, :k]).clamp(max=self.pool.width - 1)
-            draft_ids = torch.where(cols[None, :k] < num_drafts[:, None], tokens[slot[:, None], draft_pos], -1)
-            probs = None if self.draft_probs is None else self.draft_probs[slot, :k]
+            draft_pos = (out_pos[:, None] + cols[None, :width]).clamp(max=self.pool.width - 1)
+            draft_ids = torch.where(cols[None, :width] < num_drafts[:, None], tokens[slot[:, None], draft_pos], -1)
+            probs = None if self.draft_probs is None else self.draft_probs[slot, :width]
             logits = self.model.logits(hidden[index.clamp(min=0)])
             out, nacc = verify(logits, draft_ids, st, probs, use_triton=self.use_triton)
         # Confirmed tokens land right after each row's last verified input; rows that do not
@@ -281,13 +282,13 @@ class ModelRunner:
             positions=meta.positions, num_drafts=[], accepted=accepted, seq_lens=[], samples=[], sampling=[],
             block_tables=[], hidden=captured, seq_lens_device=seq_lens, samples_device=samples, target=self.target,
             attention=meta)
-        if not shape.draft_k:
+        if not shape.propose_width:
             self.speculator.sync(states)
             return None
-        drafts = self.speculator.propose(states, shape.draft_k)
+        drafts = self.speculator.propose(states, shape.propose_width)
         self.pool.write(slot, torch.where(samples, seq_lens, self.pool.width - 1), drafts.token_ids)
         if self.draft_probs is not None and drafts.probs is not None:
-            self.draft_probs[slot, : shape.draft_k] = drafts.probs.float()
+            self.draft_probs[slot, : shape.propose_width] = drafts.probs.float()
         return drafts.token_ids
 
     def _launch(self, frame: StepFrame) -> PendingStep:
@@ -304,7 +305,7 @@ class ModelRunner:
         for r in rows:
             self.pool.completed(r.slot, r.generation, frame.step_id)
         n = len(rows)
-        k1 = out.packed.shape[1] - 1  # a padded step verifies the bucket's K: more columns than shape.k
+        k1 = out.packed.shape[1] - 1  # a padded step verifies its bucket's width: more columns than shape's
         # Drafts proposed inside the step count for the next one unless the step was K=0 (a
         # speculator that cannot skip drafting proposed all the same: its drafts are dropped).
         drafted = out.drafts is not None and not frame.skip_drafts

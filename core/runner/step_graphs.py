@@ -1,14 +1,14 @@
 """Device graphs of decode, verification and lone-prompt steps, captured at start, one per
 step shape.
 
-A step of R rows, each with one input token and up to K drafts, pads to the next captured
-row bucket: its device work (input gather, forward, logits, sampling or verification, the
-token-buffer write, a device-only speculator's pass) is one graph replay instead of hundreds
-of kernel launches. A step of one row's prompt (or a chunk of it) pads to the next captured
-token bucket: eagerly, its launches cost the host tens of milliseconds, all of it time to the
-first token. The graphs read the runner's persistent buffers, which the host refills before
-each replay; padding rows write only to the token buffer's spare row, padding tokens to no
-KV slot.
+A step of R rows, each with one input token and up to K drafts to verify, pads to the next
+captured row bucket and verify width (0 or K): its device work (input gather, forward,
+logits, sampling or verification, the token-buffer write, a device-only speculator's pass) is
+one graph replay instead of hundreds of kernel launches. A step of one row's prompt (or a
+chunk of it) pads to the next captured token bucket: eagerly, its launches cost the host tens
+of milliseconds, all of it time to the first token. The graphs read the runner's persistent
+buffers, which the host refills before each replay; padding rows write only to the token
+buffer's spare row, padding tokens to no KV slot.
 """
 
 from __future__ import annotations
@@ -52,13 +52,14 @@ def row_buckets(max_rows: int) -> list[int]:
 
 
 class StepGraphs:
-    def __init__(self, runner: StepDevice, platform: Platform, max_rows: int, ks: Iterable[int],
-                 draft_ks: Iterable[int] = (0,), prefill_tokens: Iterable[int] = ()) -> None:
+    def __init__(self, runner: StepDevice, platform: Platform, max_rows: int, verify_widths: Iterable[int],
+                 propose_widths: Iterable[int] = (0,), prefill_tokens: Iterable[int] = ()) -> None:
         self.runner = runner
         self.platform = platform
         self.buckets = row_buckets(max_rows)
-        self.ks = sorted(set(ks))
-        self.draft_ks = sorted(set(draft_ks))
+        self.verify_widths = sorted(set(verify_widths))
+        """Drafts a row verifies (StepShape.verify_width): 0 and K."""
+        self.propose_widths = sorted(set(propose_widths))
         """Drafts a device-only speculator proposes inside the step (0: its sync pass)."""
         self.prefill = sorted(set(prefill_tokens))
         """Token buckets of one-row steps without drafts (a prompt, or a chunk of one)."""
@@ -68,20 +69,21 @@ class StepGraphs:
         self.num_replays = 0
 
     def shapes(self) -> list[StepShape]:
-        prompts = [self._prefill_shape(tokens, greedy, filt, draft_k) for draft_k in self.draft_ks
+        prompts = [self._prefill_shape(tokens, greedy, filt, propose) for propose in self.propose_widths
                    for tokens in reversed(self.prefill) for greedy, filt in SAMPLING_KINDS]
-        return prompts + [self._shape(rows, k, greedy, filt, draft_k) for k in self.ks for draft_k in self.draft_ks
+        return prompts + [self._shape(rows, verify, greedy, filt, propose) for verify in self.verify_widths
+                          for propose in self.propose_widths
                           for rows in reversed(self.buckets) for greedy, filt in SAMPLING_KINDS]
 
     @staticmethod
-    def _shape(rows: int, k: int, all_greedy: bool, any_filter: bool, draft_k: int = 0) -> StepShape:
-        return StepShape(rows=rows, tokens=rows * (k + 1), k=k, max_query_len=k + 1, all_greedy=all_greedy,
-                         any_filter=any_filter, decode_like=True, draft_k=draft_k)
+    def _shape(rows: int, verify: int, all_greedy: bool, any_filter: bool, propose: int = 0) -> StepShape:
+        return StepShape(rows=rows, tokens=rows * (verify + 1), verify_width=verify, max_query_len=verify + 1,
+                         all_greedy=all_greedy, any_filter=any_filter, decode_like=True, propose_width=propose)
 
     @staticmethod
-    def _prefill_shape(tokens: int, all_greedy: bool, any_filter: bool, draft_k: int = 0) -> StepShape:
-        return StepShape(rows=1, tokens=tokens, k=0, max_query_len=tokens, all_greedy=all_greedy,
-                         any_filter=any_filter, draft_k=draft_k)
+    def _prefill_shape(tokens: int, all_greedy: bool, any_filter: bool, propose: int = 0) -> StepShape:
+        return StepShape(rows=1, tokens=tokens, verify_width=0, max_query_len=tokens, all_greedy=all_greedy,
+                         any_filter=any_filter, propose_width=propose)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -93,8 +95,8 @@ class StepGraphs:
             self.graphs[shape] = self._record(meta, shape)
         self.platform.synchronize()
         self.buffer_ptr = self._buffer_ptr()
-        log.info("graphs_captured", num_graphs=len(self.graphs), row_buckets=self.buckets, ks=self.ks,
-                 prefill_tokens=self.prefill)
+        log.info("graphs_captured", num_graphs=len(self.graphs), row_buckets=self.buckets,
+                 verify_widths=self.verify_widths, prefill_tokens=self.prefill)
 
     def _record(self, meta: AttentionMetadata, shape: StepShape) -> tuple[DeviceGraph, DeviceOutputs]:
         for _ in range(2):  # compiles kernels and settles the allocator outside the capture
@@ -114,15 +116,15 @@ class StepGraphs:
         any_filter = shape.any_filter and not shape.all_greedy
         if shape.decode_like:
             rows = next((b for b in self.buckets if b >= shape.rows), None)
-            k = next((k for k in self.ks if k >= shape.k), None)
-            if rows is None or k is None:
+            verify = next((w for w in self.verify_widths if w >= shape.verify_width), None)
+            if rows is None or verify is None:
                 return None
-            padded = self._shape(rows, k, shape.all_greedy, any_filter, shape.draft_k)
-        elif shape.rows == 1 and shape.k == 0:  # one row's prompt, or a chunk of it
+            padded = self._shape(rows, verify, shape.all_greedy, any_filter, shape.propose_width)
+        elif shape.rows == 1 and shape.verify_width == 0:  # one row's prompt, or a chunk of it
             tokens = next((b for b in self.prefill if b >= shape.tokens), None)
             if tokens is None:
                 return None
-            padded = self._prefill_shape(tokens, shape.all_greedy, any_filter, shape.draft_k)
+            padded = self._prefill_shape(tokens, shape.all_greedy, any_filter, shape.propose_width)
         else:
             return None
         if self._buffer_ptr() != self.buffer_ptr:  # a bigger step grew the plan buffer the graphs read

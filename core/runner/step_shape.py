@@ -18,15 +18,15 @@ class StepShape:
 
     rows: int
     tokens: int
-    k: int
-    """Drafts verified per row (0: plain decode)."""
+    verify_width: int
+    """The most drafts a row of this step verifies (0: plain decode); at most K."""
     max_query_len: int
     all_greedy: bool
     any_filter: bool
     decode_like: bool = False
     """Every row samples and has one input token plus its drafts (what graphs serve)."""
-    draft_k: int = 0
-    """Drafts a device-only speculator proposes after the step (0: its sync pass, or none)."""
+    propose_width: int = 0
+    """Drafts a device-only speculator proposes inside the step: K, or 0 (its sync pass, or none)."""
 
 
 @dataclass
@@ -34,11 +34,11 @@ class DeviceOutputs:
     """What the device part of a step leaves behind (graph-static when replayed)."""
 
     packed: torch.Tensor
-    """[R, K + 2]: K + 1 output tokens (-1 padded), then the accepted count."""
+    """[R, W + 2]: W + 1 output tokens (-1 padded), then the accepted count (W: the padded verify_width)."""
     hidden: torch.Tensor
     captured: dict[int, torch.Tensor]
     drafts: torch.Tensor | None = None
-    """[R, draft_k] what a device-only speculator proposed (-1 ends a row), already in the buffer."""
+    """[R, propose_width] what a device-only speculator proposed (-1 ends a row), already in the buffer."""
 
 
 class StepDevice(Protocol):

@@ -21,17 +21,18 @@ import anyio
 import msgspec
 
 from .. import log
-from ..errors import InvalidInputError, SpeckernelError
-from .engine_args import (
-    EXIT_BAD_INPUT,
-    Parser,
-    check_engine_args,
-    config_from,
-    context_limit,
-    engine_args,
-    params_from,
-    sampling_args,
-)
+from ..engine.check import check
+from ..errors import InvalidInputError, PromptTooLongError, SpeckernelError
+from ..frontend.async_engine import AsyncEngine
+from ..models.checkpoint import load_tokenizer
+from ..registry import describe
+from .bench.args import add_arguments as add_bench_arguments
+from .bench.command import main as bench_main
+from .engine_args import EXIT_BAD_INPUT, Parser, config_from, engine_args, flag, params_from, sampling_args
+from .serve.command import add_arguments as add_serve_arguments
+from .serve.command import main as serve_main
+from .train.drafter import add_arguments as add_train_arguments
+from .train.drafter import train
 
 EXIT_INTERRUPTED = 130
 
@@ -54,12 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     sampling_args(chat, 512)
     plugins = sub.add_parser("plugins", help="list discovered speculators, platforms and transports")
     plugins.add_argument("--json", action="store_true", help="print one JSON object")
-    from .bench.args import add_arguments
-    from .train.drafter import add_arguments as add_train_arguments
-
-    add_arguments(sub)
-    from .serve.command import add_arguments as add_serve_arguments
-
+    add_bench_arguments(sub)
     add_serve_arguments(sub)
     add_train_arguments(sub)
     return parser
@@ -99,9 +95,6 @@ def check_prompt_fits(text: str, messages: list[dict[str, str]] | None, path: Pa
     margin = 512
     if len(text.encode()) + margin < limit:
         return
-    from ..errors import PromptTooLongError
-    from ..models.checkpoint import load_tokenizer
-
     tokenizer = load_tokenizer(path)
     if messages is not None:
         n = len(tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True),
@@ -117,10 +110,8 @@ def check_prompt_fits(text: str, messages: list[dict[str, str]] | None, path: Pa
 
 
 async def cmd_generate(args: argparse.Namespace) -> int:
-    from ..frontend.async_engine import AsyncEngine
-
     started = time.monotonic()
-    async with AsyncEngine(config_from(args)) as engine:
+    async with AsyncEngine(args.config) as engine:
         loaded = time.monotonic()
         if args.raw:
             stream = engine.generate(args.prompt_text, args.params)
@@ -199,14 +190,11 @@ def fit_history(messages: list[dict[str, str]], count: Any, limit: int) -> int:
 
 
 async def cmd_chat(args: argparse.Namespace) -> int:
-    from ..errors import PromptTooLongError
-    from ..frontend.async_engine import AsyncEngine
-
     params = args.params
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    async with AsyncEngine(config_from(args)) as engine:
+    async with AsyncEngine(args.config) as engine:
         # Room kept for the reply: the history is trimmed to leave it.
         reserve = max(1, min(params.max_tokens, engine.info.max_model_len // 4))
         limit = engine.info.max_model_len - reserve
@@ -246,8 +234,6 @@ async def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from ..registry import describe
-
     found = describe()
     if args.json:
         print(json.dumps(found, indent=2))
@@ -265,10 +251,11 @@ def run_engine_command(args: argparse.Namespace) -> int:
     args.params = params_from(args)
     if args.command == "generate":
         args.prompt_text = read_prompt(args)
-    path = check_engine_args(args)
+    checked = check(config_from(args), flag)
+    args.config = checked.config
     if args.command == "generate":
         messages = None if args.raw else [{"role": "user", "content": args.prompt_text}]
-        check_prompt_fits(args.prompt_text, messages, path, context_limit(args, path))
+        check_prompt_fits(args.prompt_text, messages, checked.path, checked.max_model_len)
         return anyio.run(cmd_generate, args)
     return anyio.run(cmd_chat, args)
 
@@ -280,16 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plugins":
             return cmd_plugins(args)
         if args.command == "bench":
-            from .bench.command import main as bench_main
-
             return bench_main(args)
         if args.command == "serve":
-            from .serve.command import main as serve_main
-
             return serve_main(args)
         if args.command == "train-drafter":
-            from .train.drafter import train
-
             train(args)
             return 0
         return run_engine_command(args)

@@ -1,22 +1,22 @@
 """The engine and sampling flags every command shares (generate, chat, serve, bench), the parser
-they hang on, and the checks of those flags that need no weights."""
+they hang on, and the configs they spell (checked by `engine.check.check`, which names fields
+by their flags through `flag`)."""
 
 from __future__ import annotations
 
 import argparse
 import shutil
-from pathlib import Path
 from typing import Any
 
+from ..config import CONTEXT_CAP, DTYPE_NAMES, EngineConfig
 from ..errors import InvalidInputError
+from ..sampling_params import SamplingParams
 
 EXIT_BAD_INPUT = 2
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
-"""platform.DTYPES' names, listed here so a bad --dtype fails without importing torch."""
-CONTEXT_CAP = 4096
-"""Where max_model_len=None caps a model's context (engine_core.DEFAULT_MAX_MODEL_LEN)."""
+FLAGS = {"speculator_options": "--speculator-option"}
+"""Fields whose flag is not `--` plus the field's name with dashes."""
 HELP_WIDTH = 80
 
 
@@ -48,8 +48,8 @@ class Parser(argparse.ArgumentParser):
 def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="built-in name, GGUF file or safetensors folder")
     p.add_argument("--platform", default=None, help="cpu, cuda, ascend (default: the best available)")
-    p.add_argument("--dtype", default=None, choices=DTYPES, metavar="DTYPE",
-                   help=f"one of {', '.join(DTYPES[:3])} (default: the platform's)")
+    p.add_argument("--dtype", default=None, choices=DTYPE_NAMES, metavar="DTYPE",
+                   help=f"one of {', '.join(DTYPE_NAMES[:3])} (default: the platform's)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help=f"context length (default: the model's, at most {CONTEXT_CAP})")
     p.add_argument("--in-process", action="store_true", help="run the engine core in this process")
@@ -77,9 +77,8 @@ def sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def config_from(args: argparse.Namespace) -> Any:
-    from ..config import EngineConfig
-
+def config_from(args: argparse.Namespace) -> EngineConfig:
+    """The engine config the flags spell, unchecked (`engine.check.check(config, flag)` checks it)."""
     return EngineConfig(model=args.model, platform=args.platform, dtype=args.dtype,
                         max_model_len=args.max_model_len, in_process=args.in_process,
                         log_level=args.log_level, speculator=args.speculator,
@@ -89,6 +88,11 @@ def config_from(args: argparse.Namespace) -> Any:
                         speculator_options=parse_options(args.speculator_option))
 
 
+def flag(field: str) -> str:
+    """An EngineConfig field as the command line spells it, for `check`'s messages."""
+    return FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
 def parse_options(items: list[str]) -> dict[str, str]:
     bad = [item for item in items if "=" not in item]
     if bad:
@@ -96,60 +100,6 @@ def parse_options(items: list[str]) -> dict[str, str]:
     return dict(item.split("=", 1) for item in items)
 
 
-def params_from(args: argparse.Namespace) -> Any:
-    from ..sampling_params import SamplingParams
-
+def params_from(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, seed=args.seed, stop=tuple(args.stop)).validate()
-
-
-def check_engine_args(args: argparse.Namespace) -> Path:
-    """Everything about the engine flags that can be known without weights; the model's path."""
-    from .. import registry
-    from ..errors import PlatformUnavailableError, UnknownModelError, UnknownPluginError
-    from ..models.builtin import BUILTIN_MODELS
-    from ..models.checkpoint import resolve
-
-    options = parse_options(args.speculator_option)
-    speculators = sorted(registry.discover("speculator"))
-    if args.speculator is None:
-        for flag, given in (("--draft-model", args.draft_model), ("--speculator-option", options)):
-            if given:
-                raise InvalidInputError(f"{flag} is read by a speculator: add --speculator NAME "
-                                        f"(available: {', '.join(speculators)})")
-    elif args.speculator not in speculators:
-        raise UnknownPluginError("speculator", args.speculator, speculators)
-    if args.platform is not None:
-        if args.platform not in registry.discover("platform"):
-            raise UnknownPluginError("platform", args.platform, list(registry.discover("platform")))
-        if not registry.load("platform", args.platform).is_available():
-            raise PlatformUnavailableError(f"platform {args.platform!r} is installed but not available here")
-    if args.max_model_len is not None and args.max_model_len < 2:
-        raise InvalidInputError(f"--max-model-len: expected >= 2, got {args.max_model_len}")
-    draft = args.draft_model
-    if draft is not None and draft not in BUILTIN_MODELS and not draft.startswith("random:") \
-            and not Path(draft).expanduser().exists():
-        raise UnknownModelError(f"--draft-model {draft}: no such file or folder")
-    if args.speculator is not None:
-        from ..engine.check import parse_options as parse_speculator_options
-
-        cls = registry.load("speculator", args.speculator)
-        k, max_k = args.num_speculative_tokens, cls.capabilities.max_k
-        if not 1 <= k <= max_k:
-            raise InvalidInputError(f"--num-speculative-tokens: speculator {args.speculator!r} drafts 1 to "
-                                    f"{max_k} tokens per step; got {k}")
-        parse_speculator_options(args.speculator, cls.Options, options)
-    return resolve(args.model)
-
-
-def context_limit(args: argparse.Namespace, path: Path) -> int:
-    """The longest context the engine can give this model, as known before it loads (the KV
-    cache's size may lower it further; the engine checks that)."""
-    from ..models.builtin import BUILTIN_MODELS
-
-    known = BUILTIN_MODELS[args.model].context_length if args.model in BUILTIN_MODELS else None
-    if known is None:
-        from ..models.checkpoint import read_config
-
-        known = read_config(path).max_position
-    return min(args.max_model_len or min(known, CONTEXT_CAP), known)

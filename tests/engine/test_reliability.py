@@ -528,7 +528,7 @@ def test_zmq_transport_send_is_bounded_and_a_bad_frame_is_a_value_error() -> Non
 
 def test_a_core_whose_loop_raises_reports_the_cause_and_exits_with_1(monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing the frontend sends crashes the core any more, so the crash path gets a loop that
-    raises: the core serves `run_core_process` here, over CURVE sockets this test binds as its
+    raises: the core serves `CoreProcess.run` here, over CURVE sockets this test binds as its
     frontend, and must say it is ready, then send CoreFailed naming the real exception (not the
     task group around it), and return exit code 1."""
     from speckernel.engine import process as core_process
@@ -555,7 +555,7 @@ def test_a_core_whose_loop_raises_reports_the_cause_and_exits_with_1(monkeypatch
     previous = signal.getsignal(signal.SIGINT)
     try:
         with hard_deadline(60):
-            code = core_process.run_core_process(boot)
+            code = core_process.CoreProcess(boot).run()
     finally:
         signal.signal(signal.SIGINT, previous)
     decoder = Decoder(CoreMessage)

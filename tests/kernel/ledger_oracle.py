@@ -33,7 +33,8 @@ from speckernel.kernel.block_manager import BlockManager
 from speckernel.kernel.frame import RowResult, ScheduledRow, StepFrame, StepResult
 from speckernel.kernel.ledger import Ledger
 from speckernel.kernel.request import Request, Status
-from speckernel.kernel.scheduler import Scheduler, SpecPolicy
+from speckernel.kernel.scheduler import Scheduler
+from speckernel.kernel.spec_policy import SpecPolicy
 from speckernel.sampling_params import SamplingParams
 from speckernel.wire.messages import RequestDelta
 

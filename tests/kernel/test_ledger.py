@@ -21,7 +21,8 @@ from speckernel.kernel.block_manager import BlockManager
 from speckernel.kernel.frame import RowResult, ScheduledRow, StepFrame, StepResult
 from speckernel.kernel.ledger import Ledger, LedgerError
 from speckernel.kernel.request import Request, Status
-from speckernel.kernel.scheduler import Scheduler, SpecPolicy
+from speckernel.kernel.scheduler import Scheduler
+from speckernel.kernel.spec_policy import SpecPolicy
 from speckernel.sampling_params import SamplingParams
 
 pytest.register_assert_rewrite("tests.ledger_oracle")

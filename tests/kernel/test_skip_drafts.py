@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from speckernel.kernel.block_manager import BlockManager
 from speckernel.kernel.request import Request
-from speckernel.kernel.scheduler import Scheduler, SpecPolicy
+from speckernel.kernel.scheduler import Scheduler
+from speckernel.kernel.spec_policy import SpecPolicy
 from speckernel.sampling_params import SamplingParams
 
 request_state = st.tuples(

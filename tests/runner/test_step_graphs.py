@@ -72,9 +72,9 @@ def runner(graphs: bool, prefill: tuple[int, ...] = ()) -> ModelRunner:
     model = LlamaModel(TINY, MAX_LEN + K + 2).eval().to(DEV)
     attention = TritonPagedAttention(BLOCK, 64, DEV, max_rows=SLOTS + 1, max_blocks=MAX_LEN // BLOCK + 1)
     r = ModelRunner(model, DEV, num_blocks=SLOTS * (MAX_LEN // BLOCK), block_size=BLOCK, attention=attention,
-                    num_slots=SLOTS, max_model_len=MAX_LEN, max_k=K, max_num_tokens=64)
+                    num_slots=SLOTS, max_model_len=MAX_LEN, num_speculative_tokens=K, max_num_tokens=64)
     if graphs:
-        g = ReplayGraphs(r, NoGraphPlatform(), max_rows=SLOTS, ks=(0, K),  # type: ignore[arg-type]
+        g = ReplayGraphs(r, NoGraphPlatform(), max_rows=SLOTS, verify_widths=(0, K),  # type: ignore[arg-type]
                          prefill_tokens=prefill)
         g.capture()
         r.graphs = g

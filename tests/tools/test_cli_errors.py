@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from speckernel.tools import cli, engine_args
+from speckernel.config import CONTEXT_CAP, DTYPE_NAMES, EngineConfig
+from speckernel.engine.check import context_limit
+from speckernel.tools import cli
 from tests.conftest import default_sigint
 
 
@@ -47,7 +49,7 @@ CUDA = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU
         (["--prompt", ""], ["prompt is empty"]),
         (["--prompt", " \n "], ["prompt is empty"]),
         (["--prompt", "hi", "--speculator", "ngram", "--num-speculative-tokens", "100"],
-         ["'ngram' drafts 1 to 16", "got 100"]),
+         ["--num-speculative-tokens", "'ngram' drafts at most 16", "got 100"]),
         (["--prompt", "hi", "--speculator", "ngram", "--num-speculative-tokens", "0"], ["got 0"]),
         (["--prompt", "hi", "--dtype", "int8"], ["--dtype", "'int8'", "float32", "bfloat16"]),
         pytest.param(["--prompt", "hi", "--platform", "cuda"], ["'cuda'", "not available"], marks=CUDA),
@@ -60,7 +62,7 @@ CUDA = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU
         (["--prompt", "hi", "--speculator-option", "num_layers=2"], ["add --speculator", "draft_model"]),
         (["--prompt", "hi", "--draft-model", "x.gguf"], ["--draft-model", "add --speculator", "draft_model, "]),
         (["--prompt", "hi", "--log-level", "bogus"], ["--log-level", "'bogus'", "debug", "warning"]),
-        (["--prompt", "hi", "--max-model-len", "1"], ["--max-model-len", ">= 2"]),
+        (["--prompt", "hi", "--max-model-len", "1"], ["--max-model-len", "in [2, ", "got 1"]),
         (["--prompt", "hi", "--model", "no/such/model.gguf"], ["unknown model 'no/such/model.gguf'"]),
         (["--prompt-file", "no/such/prompt.txt"], ["no/such/prompt.txt"]),
         ([], ["--prompt", "--prompt-file", "required"]),
@@ -107,27 +109,31 @@ def test_prompt_comes_from_argument_file_or_stdin(tmp_path: Path, monkeypatch: p
 
 def test_over_long_prompt_fails_before_the_engine_starts(model_path: Path, capsys: pytest.CaptureFixture[str],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    import speckernel.frontend.async_engine
-
     def no_engine(*args: object, **kwargs: object) -> None:
         raise AssertionError("the engine started")
 
-    monkeypatch.setattr(speckernel.frontend.async_engine, "AsyncEngine", no_engine)
+    monkeypatch.setattr(cli, "AsyncEngine", no_engine)
     rc, err = run_cli(["generate", "--raw", "--prompt", "word " * 300, "--max-model-len", "256"], capsys)
     assert rc == 2 and len(err) == 1
     assert err[0].startswith("speckernel: error: prompt has 30") and "the context holds 256" in err[0]
     # the built-in model's own context (capped as the engine caps it) is known before it loads
     rc, err = run_cli(["generate", "--prompt", "word " * 5000], capsys)
-    assert rc == 2 and len(err) == 1 and f"the context holds {engine_args.CONTEXT_CAP}" in err[0]
+    assert rc == 2 and len(err) == 1 and f"the context holds {CONTEXT_CAP}" in err[0]
 
 
 def test_cli_constants_match_the_engine() -> None:
-    """The CLI keeps copies so it can check without importing torch; they must not drift."""
-    from speckernel.engine.core import DEFAULT_MAX_MODEL_LEN
+    """The dtype names live torch-free in config (--dtype's choices and `check` read them) and
+    must not drift from the platform's table; the context cap is one constant that the help,
+    `check` (so the CLI's prompt check and the engine) read."""
     from speckernel.platform import DTYPES
 
-    assert engine_args.CONTEXT_CAP == DEFAULT_MAX_MODEL_LEN
-    assert set(engine_args.DTYPES) == set(DTYPES)
+    assert set(DTYPE_NAMES) == set(DTYPES)
+    long = "random:tiny,max_position=8192"
+    assert context_limit(EngineConfig(model=long), Path(long)) == CONTEXT_CAP
+    assert context_limit(EngineConfig(model=long, max_model_len=6000), Path(long)) == 6000
+    assert context_limit(EngineConfig(model="random:tiny"), Path("random:tiny")) == 2048
+    help_text = parsers(cli.build_parser())["speckernel generate"].format_help()
+    assert f"at most {CONTEXT_CAP})" in " ".join(help_text.split())
 
 
 def parsers(parser: argparse.ArgumentParser, path: str = "speckernel") -> dict[str, argparse.ArgumentParser]:

@@ -28,6 +28,7 @@ import numpy as np
 
 from ...config import EngineConfig
 from ...errors import InvalidInputError
+from ..engine_args import parse_options
 
 MISSING = "\N{EN DASH}"
 """What a table shows where a figure does not apply."""
@@ -48,7 +49,6 @@ def with_speculator(config: EngineConfig, args: argparse.Namespace, name: str | 
     and --speculator-option."""
     if name is None:
         return config
-    from ..engine_args import parse_options
 
     spec, _, rest = name.partition(":")
     k_text, _, option_text = rest.partition(":")

@@ -9,12 +9,16 @@ import argparse
 import os
 from typing import Any
 
+import msgspec
+
+from ...config import EngineConfig
+from ...engine.check import check
+from ..engine_args import config_from, engine_args, flag
+
 API_KEY_ENV = "SPECKERNEL_API_KEY"
 
 
 def add_arguments(sub: Any) -> None:
-    from ..engine_args import engine_args
-
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, completions, metrics)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -26,35 +30,30 @@ def add_arguments(sub: Any) -> None:
     engine_args(p)
 
 
-def config(args: argparse.Namespace) -> Any:
-    import msgspec
-
-    from ..engine_args import config_from
-
+def config(args: argparse.Namespace) -> EngineConfig:
+    """The engine config the flags spell, unchecked (main checks it)."""
     cfg = config_from(args)
     if args.max_num_seqs is not None:
         cfg = msgspec.structs.replace(cfg, max_num_seqs=args.max_num_seqs)
     if args.num_kv_blocks is not None:
         cfg = msgspec.structs.replace(cfg, num_kv_blocks=args.num_kv_blocks)
-    return cfg.validate()
+    return cfg
 
 
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..engine_args import check_engine_args
     from .app import build_app
 
     # Unknown names and bad flags fail here with the CLI's one-line message (exit 2), not
     # inside uvicorn's start-up.
-    check_engine_args(args)
+    checked = check(config(args), flag)
     # The server process owns its metrics: no `_created` sample per series (the library itself
     # leaves prometheus_client's process-wide switches alone for those who embed the app).
     from prometheus_client import disable_created_metrics
 
     disable_created_metrics()
-    cfg = config(args)
-    app = build_app(cfg, api_key=args.api_key)
+    app = build_app(checked.config, api_key=args.api_key)
     level = args.log_level.lower()
     uvicorn.run(app, host=args.host, port=args.port, log_level=level, access_log=level in ("debug", "info"),
                 timeout_graceful_shutdown=5)
