@@ -31,10 +31,10 @@ import msgspec
 import zmq
 
 from .. import log
-from ..config import EngineConfig
 from ..errors import InvalidInputError
 from ..wire.codec import Decoder, Encoder
 from ..wire.messages import (
+    CoreBootstrap,
     CoreFailed,
     CoreMessage,
     FrontendMessage,
@@ -54,21 +54,6 @@ LINGER_MS = 1000
 """How long a last message (CoreFailed) may take to reach a frontend that is still there."""
 EXIT_CRASHED = 1
 EXIT_TERMINATED = 128 + signal.SIGTERM
-
-
-class CoreBootstrap(msgspec.Struct, frozen=True, kw_only=True):
-    """What the frontend writes to the core's stdin: config, socket addresses and CURVE keys.
-
-    The core connects to both sockets as a CURVE client: it speaks only to the holder of
-    `server_key`'s secret (the frontend), and the frontend admits only `public_key`."""
-
-    config: EngineConfig
-    in_addr: str
-    out_addr: str
-    parent_pid: int
-    server_key: bytes
-    public_key: bytes
-    secret_key: bytes
 
 
 class _FrontendGone(Exception):

@@ -36,9 +36,8 @@ from zmq.auth.thread import ThreadAuthenticator
 from .. import errors as errors_mod
 from .. import log
 from ..config import EngineConfig
-from ..engine.process import CoreBootstrap
 from ..wire.codec import Decoder, Encoder
-from ..wire.messages import CoreFailed, CoreMessage, CoreReady, FrontendMessage, Heartbeat, Shutdown
+from ..wire.messages import CoreBootstrap, CoreFailed, CoreMessage, CoreReady, FrontendMessage, Heartbeat, Shutdown
 
 POLL_S = 0.1
 HEARTBEAT_TIMEOUT_S = 3.0

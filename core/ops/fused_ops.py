@@ -20,6 +20,8 @@ from typing import overload
 import torch
 import torch.nn.functional as F
 
+from .rope import apply_rope
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -34,7 +36,7 @@ def _next_pow2(n: int) -> int:
 
 @functools.cache
 def _kernels() -> SimpleNamespace:
-    import triton
+    import triton  # triton is optional (Linux x86-64): imported where its kernels are built
     import triton.language as tl
 
     # The row count is only the grid, and every integer argument is a stride (or 0) fixed by the
@@ -152,8 +154,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rope_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half rope of q [T, nh, D] and k [T, nkv, D] with cos/sin [T, D]: fp32 math, results in q's dtype."""
-    from .rope import apply_rope
-
     return apply_rope(q, cos, sin).to(q.dtype), apply_rope(k, cos, sin).to(k.dtype)
 
 

@@ -259,20 +259,20 @@ class TritonPagedAttention(PagedAttention):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        from .triton_attention import paged_attention, write_kv
+        from .triton_attention import paged_attention, write_kv  # triton is optional (Linux x86-64)
 
         write_kv(k, v, kv, meta.slot_mapping)
         return paged_attention(q, kv, meta.block_tables, meta.seq_lens, meta.query_start, meta.max_query_len,
                                scale, self.block_size)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        from .triton_attention import write_kv
+        from .triton_attention import write_kv  # triton is optional (Linux x86-64)
 
         write_kv(k, v, kv, slot_mapping.contiguous())
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                scale: float) -> torch.Tensor:
-        from .triton_attention import paged_attention
+        from .triton_attention import paged_attention  # triton is optional (Linux x86-64)
 
         # The kernels index lengths and slots as dense arrays: a caller's expanded view (one row's
         # length repeated per query is a stride-0 view when there is one row) must be copied.

@@ -29,7 +29,7 @@ LOG2E = 1.4426950408889634
 
 @functools.cache
 def _kernels() -> SimpleNamespace:
-    import triton
+    import triton  # triton is optional (Linux x86-64): imported where its kernels are built
     import triton.language as tl
 
     @triton.jit

@@ -113,7 +113,7 @@ def _race_kernel():  # type: ignore[no-untyped-def]
     correctly rounded division, so it picks exactly the token `race` picks."""
     global _RACE_KERNEL
     if _RACE_KERNEL is None:
-        import triton
+        import triton  # triton is optional (Linux x86-64): imported where its kernels are built
         import triton.language as tl
 
         @triton.jit(do_not_specialize=["N", "CHUNK"])  # both move with the row count
@@ -155,7 +155,7 @@ def _race_kernel():  # type: ignore[no-untyped-def]
 
 def race_triton(probs: torch.Tensor, seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """`race` as one Triton kernel (plus an argmax over the vocabulary splits)."""
-    import triton
+    import triton  # triton is optional (Linux x86-64): imported where its kernels are built
 
     n, v = probs.shape
     block = min(RACE_BLOCK, triton.next_power_of_2(v))

@@ -64,7 +64,7 @@ _TRITON_KERNEL = None
 def _triton_kernel():  # type: ignore[no-untyped-def]
     global _TRITON_KERNEL
     if _TRITON_KERNEL is None:
-        import triton
+        import triton  # triton is optional (Linux x86-64): imported where its kernels are built
         import triton.language as tl
 
         @triton.jit(do_not_specialize=["R"])  # a new row count compiles nothing
@@ -96,7 +96,7 @@ def _triton_kernel():  # type: ignore[no-untyped-def]
 def accept_triton(
     draft_ids: torch.Tensor, p_x: torch.Tensor, q_x: torch.Tensor, u: torch.Tensor, final: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    import triton
+    import triton  # triton is optional (Linux x86-64): imported where its kernels are built
 
     r, k = draft_ids.shape
     out = torch.empty((r, k + 1), dtype=torch.int64, device=draft_ids.device)

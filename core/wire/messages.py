@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from ..config import EngineConfig
 from ..sampling_params import SamplingParams
 
 WIRE = {"array_like": True, "omit_defaults": True, "gc": False, "tag": True}
@@ -116,3 +117,18 @@ class Heartbeat(msgspec.Struct, **WIRE):
 
 
 CoreMessage = CoreOutputs | UtilityResult | CoreReady | CoreFailed | Heartbeat
+
+
+class CoreBootstrap(msgspec.Struct, frozen=True, kw_only=True):
+    """What the frontend writes to the core's stdin: config, socket addresses and CURVE keys.
+
+    The core connects to both sockets as a CURVE client: it speaks only to the holder of
+    `server_key`'s secret (the frontend), and the frontend admits only `public_key`."""
+
+    config: EngineConfig
+    in_addr: str
+    out_addr: str
+    parent_pid: int
+    server_key: bytes
+    public_key: bytes
+    secret_key: bytes

@@ -42,7 +42,15 @@ from speckernel.models.tokenizer import Tokenizer
 from speckernel.transport import TokenFrame
 from speckernel.transports.zmq import ZmqTransport
 from speckernel.wire.codec import Decoder, Encoder
-from speckernel.wire.messages import AddRequest, CoreOutputs, FrontendMessage, RequestDelta, UtilityResult, check_wire
+from speckernel.wire.messages import (
+    AddRequest,
+    CoreBootstrap,
+    CoreOutputs,
+    FrontendMessage,
+    RequestDelta,
+    UtilityResult,
+    check_wire,
+)
 from tests.conftest import exited
 
 CONFIG = EngineConfig(model="random:tiny", platform="cpu", max_model_len=1024, num_kv_blocks=80, seed=0)
@@ -548,7 +556,7 @@ def test_a_core_whose_loop_raises_reports_the_cause_and_exits_with_1(monkeypatch
         sock.curve_server = True
         sock.curve_secretkey = server_secret
         sock.bind("tcp://127.0.0.1:*")
-    boot = core_process.CoreBootstrap(
+    boot = CoreBootstrap(
         config=msgspec.structs.replace(CONFIG, log_level="critical"), in_addr=to_core.last_endpoint.decode(),
         out_addr=from_core.last_endpoint.decode(), parent_pid=os.getppid(), server_key=server_public,
         public_key=public, secret_key=secret)

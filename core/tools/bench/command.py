@@ -23,6 +23,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import anyio
 import msgspec
 import numpy as np
 
@@ -88,7 +89,7 @@ def header(scenario: str) -> dict[str, Any]:
 
 
 def device_name(device: Any) -> str:
-    import torch
+    import torch  # `speckernel --help` and bad flags fail without loading torch
 
     device = torch.device(device)
     if device.type == "cuda":
@@ -128,10 +129,10 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def pyplot() -> Any:
     try:
-        import matplotlib
+        import matplotlib  # optional: the `bench` extra
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after use(): the backend is chosen at import
     except ImportError:
         return None
     return plt
@@ -162,8 +163,6 @@ def write_report(name: str, report: dict[str, Any], lines: list[str], plot: Any,
 
 
 def main(args: argparse.Namespace) -> int:
-    import anyio
-
     module = scenario_module(args.scenario)
     report = anyio.run(module.run, args) if inspect.iscoroutinefunction(module.run) else module.run(args)
     out = Path(args.out)

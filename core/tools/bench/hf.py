@@ -16,6 +16,7 @@ Time to first token is timed with a separate generate of one token; time per out
 
 from __future__ import annotations
 
+import copy
 import gc
 import importlib.util
 import sys
@@ -41,7 +42,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def load(model: str, dtype: torch.dtype, device: torch.device) -> Any:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # optional: the HF peers run where it is installed
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # generate's notes on unused flags would drown the progress bars
@@ -55,7 +56,7 @@ def load(model: str, dtype: torch.dtype, device: torch.device) -> Any:
 
 
 def generation_config(peer: str, max_tokens: int, eos_ids: tuple[int, ...], k: int, device: torch.device) -> Any:
-    from transformers import CompileConfig, GenerationConfig
+    from transformers import CompileConfig, GenerationConfig  # optional, as in load()
 
     extra: dict[str, Any] = {}
     if peer == "hf_static_compiled":
@@ -82,8 +83,6 @@ def timed_generate(model: Any, prompt: list[int], config: Any, device: torch.dev
 
 def run_peer(model: Any, peer: str, prompts: list[list[int]], max_tokens: int, eos_ids: tuple[int, ...], k: int,
              device: torch.device) -> dict[str, Any]:
-    import copy
-
     full = generation_config(peer, max_tokens, eos_ids, k, device)
     first = copy.deepcopy(full)
     first.max_new_tokens = 1

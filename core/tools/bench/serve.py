@@ -67,7 +67,7 @@ def server_flags(args: argparse.Namespace, speculator: str | None) -> list[str]:
 @asynccontextmanager
 async def started_server(flags: list[str]) -> AsyncIterator[str]:
     """A `speckernel serve` process on a free loopback port; yields its URL once /health is ok."""
-    import httpx2
+    import httpx2  # optional: the `bench` extra
 
     port = free_port()
     with tempfile.TemporaryFile() as log:
@@ -184,7 +184,7 @@ async def run_load(client: Any, model: str, prompts: list[list[dict[str, str]]],
 
 async def measure(url: str, label: str, args: argparse.Namespace, prompts: list[list[dict[str, str]]],
                   sizes: dict[int, int]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    import httpx2
+    import httpx2  # optional: the `bench` extra
 
     limits = httpx2.Limits(max_connections=max(sizes) + 4, max_keepalive_connections=max(sizes) + 4)
     async with httpx2.AsyncClient(base_url=url, limits=limits, timeout=args.request_timeout) as client:

@@ -18,6 +18,12 @@ import sys
 import time
 from typing import Any
 
+import msgspec
+
+from ... import registry
+from ...config import EngineConfig
+from .command import device_name, header, preamble
+
 PHASES = ("python", "import", "load", "first_token")
 PROMPT = "What are the three primary colors?"
 
@@ -26,15 +32,13 @@ def probe(spawned: float, started: float, config_json: str) -> None:
     """Runs in the fresh interpreter (`started`: before its first import of speckernel): times
     one start to the first token, prints one JSON line of wall-clock phase ends (time.time is
     shared with the parent)."""
+    # Imported here, after `started`: importing them is the phase being timed.
     import anyio
 
-    from ...config import EngineConfig
     from ...frontend.async_engine import AsyncEngine
     from ...sampling_params import SamplingParams
 
     imported = time.time()
-    import msgspec
-
     config = msgspec.json.decode(config_json, type=EngineConfig)
 
     async def first_token() -> dict[str, Any]:
@@ -76,12 +80,6 @@ def one_run(config_json: str, timeout: float) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import msgspec
-
-    from ... import registry
-    from ...config import EngineConfig
-    from .command import device_name, header
-
     modes = args.modes or ["process"]
     load_before = os.getloadavg()[0]
     results: dict[str, Any] = {}
@@ -112,8 +110,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> list[str]:
-    from .command import preamble
-
     lines = preamble(report, f"Start-up to the first token, {report['model']}, median of {report['repeats']} "
                              "fresh processes")
     lines += [

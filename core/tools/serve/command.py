@@ -41,6 +41,7 @@ def config(args: argparse.Namespace) -> EngineConfig:
 
 
 def main(args: argparse.Namespace) -> int:
+    # The server stack (uvicorn, starlette, the app) loads only for `serve`, not for every command.
     import uvicorn
 
     from .app import build_app
