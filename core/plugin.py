@@ -129,7 +129,7 @@ class SpeculatorContext(Generic[OptionsT]):
     num_slots: int = 0
     """Rows of the token buffer (`TargetStates.tokens`): per-slot state is indexed by slot."""
     fused_kernels: bool = False
-    """The platform runs the kernel's fused Triton ops (`fused_ops`) on this device: a speculator's
+    """The platform runs the kernel's fused Triton ops (`speckernel.kit.fused_ops`) on this device: a speculator's
     layers may call them instead of their torch definitions."""
 
 
