@@ -1,7 +1,8 @@
 """Conformance suite for speculator authors: `check_speculator("my_drafter")` runs a plugin,
 found through its entry point, on the real default model and checks that
 
-- its capabilities are a frozen SpeculatorCapabilities with sane values;
+- its capabilities are a frozen SpeculatorCapabilities with sane values, and a speculator that
+  declares `trainable` has the training protocol (`TrainableSpeculator`);
 - what it proposes matches what it declares (shape, dtype, device, fixed or variable width,
   draft distributions when it declares sampled drafts);
 - every step reaches it, with every row of the step (prefill chunks included);
@@ -23,7 +24,8 @@ import torch
 from . import registry
 from .config import EngineConfig
 from .engine.core import EngineCore
-from .plugin import Drafts, SpeculatorCapabilities, TargetStates
+from .models.checkpoint import load_tokenizer, resolve
+from .plugin import Drafts, Speculator, SpeculatorCapabilities, TargetStates, TrainableSpeculator
 from .sampling_params import SamplingParams
 from .wire.messages import AddRequest
 
@@ -35,15 +37,17 @@ DEFAULT_PROMPTS = (
 )
 
 
-def check_capabilities(cls: Any) -> SpeculatorCapabilities:
+def check_capabilities(cls: type[Speculator]) -> SpeculatorCapabilities:
     caps = getattr(cls, "capabilities", None)
     assert isinstance(caps, SpeculatorCapabilities), (
         f"{cls.__name__}.capabilities must be a SpeculatorCapabilities, got {type(caps).__name__}")
     assert caps.max_k >= 1, f"max_k must be >= 1, got {caps.max_k}"
     assert caps.draft_width in ("fixed", "variable"), caps.draft_width
     assert caps.lookahead_slots(caps.max_k) >= 0
-    for method in ("propose", "sync", "check", "draft_kv_bytes_per_token"):
-        assert callable(getattr(cls, method, None)), f"{cls.__name__} has no {method}()"
+    for method in ("propose", "sync", "check", "draft_kv_bytes_per_token", "capabilities_for"):
+        assert callable(getattr(cls, method, None)), f"{cls.__name__} has no {method}() (SpeculatorBase has defaults)"
+    assert not caps.trainable or issubclass(cls, TrainableSpeculator), (
+        f"{cls.__name__} declares trainable but lacks new_drafter, read_checkpoint or save (TrainableSpeculator)")
     options = getattr(cls, "Options", None)
     assert isinstance(options, type) and issubclass(options, msgspec.Struct), \
         f"{cls.__name__}.Options must be a msgspec.Struct type (speckernel.plugin.NoOptions for none)"
@@ -53,7 +57,7 @@ def check_capabilities(cls: Any) -> SpeculatorCapabilities:
 class _Recorder:
     """Wraps a speculator instance to record what the kernel asked and what it answered."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Speculator) -> None:
         self.inner = inner
         self.capabilities = inner.capabilities
         self.proposals: list[tuple[TargetStates, int, Drafts]] = []
@@ -98,8 +102,6 @@ def check_speculator(name: str, *, model: str = "smollm2-135m", k: int = 3, max_
     k = min(k, caps.max_k)
     base = EngineConfig(model=model, platform=platform, max_model_len=512, max_num_batched_tokens=6)
     plain = EngineCore(base)
-    from .models.checkpoint import load_tokenizer, resolve
-
     tokenizer = load_tokenizer(resolve(model))
     ids = [tokenizer.encode(p) for p in prompts]
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -108,6 +110,7 @@ def check_speculator(name: str, *, model: str = "smollm2-135m", k: int = 3, max_
 
     spec = EngineCore(msgspec.structs.replace(base, speculator=name, num_speculative_tokens=k,
                                               draft_model=draft_model))
+    assert spec.speculator is not None, f"the engine loaded no speculator {name!r}"
     recorder = _Recorder(spec.speculator)
     spec.runner.speculator = recorder  # type: ignore[assignment]
     got, rows_run = _run(spec, ids, greedy)

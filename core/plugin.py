@@ -1,4 +1,4 @@
-"""The one module a speculator plugin imports: the speculator contract (v2) and its helpers.
+"""The speculator contract (v2): the one module a speculator plugin must import.
 
 A speculator is a class registered under the `speckernel.speculators` entry point. It declares
 a frozen `SpeculatorCapabilities` and an `Options` struct; the kernel derives everything else
@@ -10,39 +10,42 @@ draft, `sync` otherwise (the K=0 pass). Everything a speculator knows about a re
 it reads from the kernel's token buffer; it keeps no copy of its own. A `device_only`
 speculator sees device tensors only (empty host lists), so the kernel can capture its pass in
 the step's graph and run ahead of the host.
+
+A speculator whose capabilities say `trainable` also has the training protocol
+(`TrainableSpeculator`), which `speckernel train-drafter` drives.
+
+This module holds only the contract and the values its fields name (`ModelConfig`,
+`RowSampling`, the attention types, `InvalidInputError`). The building blocks learned drafters
+share with the target (its layers, rope, checkpoint access) are in `speckernel.kit`, which is
+versioned with the kernel.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, Self, TypeVar, runtime_checkable
 
 import msgspec
-import torch
 
 from .attention import AttentionBackend, AttentionMetadata
 from .errors import InvalidInputError
 from .model_config import ModelConfig
-from .models.checkpoint import read_config
-from .models.checkpoint import resolve as resolve_model
-from .models.llama import LlamaModel, RMSNorm
-from .models.loader import load_model
-from .models.paged import new_kv_cache
-from .ops import fused_ops
-from .ops.rope import apply_rope, cos_sin_table
-from .runner.sampler import target_noise
 from .sampling_params import RowSampling
+
+if TYPE_CHECKING:  # annotations only: the contract itself runs no torch
+    import torch
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "DrafterArchitecture",
     "Drafts",
+    "FitsVocabulary",
     "InvalidInputError",
-    "LlamaModel",
     "ModelConfig",
     "NoOptions",
-    "RMSNorm",
     "RowSampling",
     "Speculator",
     "SpeculatorBase",
@@ -51,14 +54,8 @@ __all__ = [
     "TargetModel",
     "TargetStates",
     "TrainBatch",
-    "apply_rope",
-    "cos_sin_table",
-    "fused_ops",
-    "load_model",
-    "new_kv_cache",
-    "read_config",
-    "resolve_model",
-    "target_noise",
+    "TrainableDrafter",
+    "TrainableSpeculator",
 ]
 
 
@@ -88,6 +85,9 @@ class SpeculatorCapabilities(msgspec.Struct, frozen=True, kw_only=True):
     empty), keep fixed shapes and never wait for the device. The kernel then runs them inside
     the step's captured device graph, and launches the next step before this one's accepted
     counts reach the host (run-ahead)."""
+    trainable: bool = False
+    """`speckernel train-drafter --method NAME` trains it: the class has the training protocol
+    (`TrainableSpeculator`), and the checkpoint it writes is what `--draft-model` loads."""
 
     def lookahead_slots(self, k: int) -> int:
         return self.lookahead_slots_per_draft * k
@@ -97,10 +97,16 @@ class NoOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Options struct of a speculator that takes none."""
 
 
+OptionsT = TypeVar("OptionsT", bound=msgspec.Struct, covariant=True)
+"""A speculator's own `Options` struct."""
+
+
 @dataclass(frozen=True)
-class SpeculatorContext:
+class SpeculatorContext(Generic[OptionsT]):
     """What the kernel hands a speculator at start: `check` and `draft_kv_bytes_per_token`
-    see it before the KV cache exists (num_kv_blocks 0, draft_kv None)."""
+    see it before the KV cache exists (num_kv_blocks 0, draft_kv None). A speculator annotates
+    it with its options (`SpeculatorContext[MyOptions]`); unparametrised, it is the kernel's
+    view, which knows only that `options` is some speculator's struct."""
 
     target: ModelConfig
     target_path: Path
@@ -110,7 +116,7 @@ class SpeculatorContext:
     max_model_len: int
     num_speculative_tokens: int
     """K as configured (the frame carries the K of each step)."""
-    options: Any
+    options: OptionsT
     """An instance of the speculator's `Options` struct, validated by the kernel."""
     draft_model: str | None = None
     """A checkpoint for speculators that run their own model."""
@@ -123,7 +129,7 @@ class SpeculatorContext:
     num_slots: int = 0
     """Rows of the token buffer (`TargetStates.tokens`): per-slot state is indexed by slot."""
     fused_kernels: bool = False
-    """The platform runs the kernel's fused Triton ops (`fused_ops`) on this device: a speculator's
+    """The platform runs the kernel's fused Triton ops (`speckernel.kit.fused_ops`) on this device: a speculator's
     layers may call them instead of their torch definitions."""
 
 
@@ -134,7 +140,7 @@ class TargetModel:
     config: ModelConfig
     embed: torch.nn.Module | None
     norm: torch.nn.Module | None
-    head: Any
+    head: Callable[[torch.Tensor], torch.Tensor] | None
     """hidden [N, H] -> float32 logits [N, V]."""
     kv_cache: torch.Tensor | None
     """[layers, 2, slots, kv_heads, head_dim]; slot = block_id * block_size + offset."""
@@ -219,6 +225,12 @@ class Speculator(Protocol):
         """Bytes of draft KV per token position (0: none); the kernel allocates them."""
         ...
 
+    @classmethod
+    def capabilities_for(cls, ctx: SpeculatorContext) -> SpeculatorCapabilities:
+        """The capabilities for this target and these options (`SpeculatorBase` returns
+        `capabilities`). The kernel calls it after `check`."""
+        ...
+
     def propose(self, states: TargetStates, k: int) -> Drafts: ...
 
     def sync(self, states: TargetStates) -> None:
@@ -247,8 +259,11 @@ class TrainBatch:
 
 
 class SpeculatorBase:
-    """Defaults for the optional parts of the contract; subclassing it is optional."""
+    """Defaults for the optional parts of the contract: no options, the class's capabilities
+    for every target, nothing to refuse, no draft KV. Subclassing it is optional."""
 
+    name: ClassVar[str]
+    capabilities: ClassVar[SpeculatorCapabilities]
     Options: ClassVar[type[msgspec.Struct]] = NoOptions
 
     @classmethod
@@ -256,7 +271,7 @@ class SpeculatorBase:
         """The capabilities for this target and these options (a learned drafter reads the
         target layers it consumes from its checkpoint). The kernel calls it after `check`; an
         instance exposes the same as `capabilities`."""
-        return cls.capabilities  # type: ignore[attr-defined, no-any-return]
+        return cls.capabilities
 
     @classmethod
     def check(cls, ctx: SpeculatorContext) -> None:
@@ -265,3 +280,79 @@ class SpeculatorBase:
     @classmethod
     def draft_kv_bytes_per_token(cls, ctx: SpeculatorContext) -> int:
         return 0
+
+
+# --- training: what `speckernel train-drafter` drives -------------------------------------
+
+
+class DrafterArchitecture(Protocol):
+    """What `train-drafter` reads of a drafter's config: the target state each batch must carry."""
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        """Target layers whose output (`TrainBatch.hidden`) the drafter reads."""
+        ...
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """Target layers whose KV rows (`TrainBatch.kv`) the drafter reads."""
+        ...
+
+
+class TrainableDrafter(Protocol):
+    """The module `train-drafter` trains: a `torch.nn.Module` (the methods below are the
+    torch ones it calls) with its config and its loss."""
+
+    @property
+    def config(self) -> DrafterArchitecture: ...
+
+    def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Training loss on one batch, and named figures for the progress bar and the log."""
+        ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any: ...
+
+    def train(self, mode: bool = True) -> Self: ...
+
+    def eval(self) -> Self: ...
+
+    def to(self, device: torch.device) -> Self: ...
+
+
+@runtime_checkable
+class FitsVocabulary(Protocol):
+    """Optional for a `TrainableDrafter`: a new drafter (not one from `--init`) is fitted to
+    how often the target writes each token before training (eagle3 picks its draft
+    vocabulary)."""
+
+    def fit_vocab(self, counts: torch.Tensor) -> None:
+        """counts [V] int64: the target's greedy labels per token id over the training data."""
+        ...
+
+
+@runtime_checkable
+class TrainableSpeculator(Protocol):
+    """The training protocol, had by the speculators whose capabilities say `trainable`."""
+
+    @classmethod
+    def new_drafter(cls, target: ModelConfig, max_len: int, **overrides: Any) -> TrainableDrafter:
+        """An untrained drafter for this target, for sequences up to max_len; overrides are
+        fields of its config (`--set FIELD=VALUE`)."""
+        ...
+
+    @classmethod
+    def read_checkpoint(cls, folder: Path, target: ModelConfig) -> msgspec.Struct:
+        """The config of the checkpoint in folder, refused (InvalidInputError) when it is
+        another method's or was trained for another target shape. Its fields other than
+        `method` and `target` are overrides `new_drafter` takes (`--init` rebuilds the
+        checkpoint's architecture from them)."""
+        ...
+
+    @classmethod
+    def save(cls, folder: Path, drafter: TrainableDrafter) -> None:
+        """Writes the checkpoint that `--draft-model folder` and `--init folder` load."""
+        ...

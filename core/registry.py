@@ -4,13 +4,20 @@ from __future__ import annotations
 
 from functools import cache
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import msgspec
 
 from .errors import PlatformUnavailableError, UnknownPluginError
 
-GROUPS = {
+if TYPE_CHECKING:  # the contracts import torch; the CLI lists plugins without it
+    from .platform import Platform
+    from .plugin import Speculator
+    from .transport import Transport
+
+Kind = Literal["speculator", "platform", "transport"]
+
+GROUPS: dict[Kind, str] = {
     "speculator": "speckernel.speculators",
     "platform": "speckernel.platforms",
     "transport": "speckernel.transports",
@@ -18,25 +25,36 @@ GROUPS = {
 
 
 @cache
-def discover(kind: str) -> dict[str, EntryPoint]:
+def discover(kind: Kind) -> dict[str, EntryPoint]:
     return {ep.name: ep for ep in entry_points(group=GROUPS[kind])}
 
 
-def load(kind: str, name: str) -> Any:
+@overload
+def load(kind: Literal["speculator"], name: str) -> type[Speculator]: ...
+@overload
+def load(kind: Literal["platform"], name: str) -> type[Platform]: ...
+@overload
+def load(kind: Literal["transport"], name: str) -> type[Transport]: ...
+
+
+def load(kind: Kind, name: str) -> type[Speculator] | type[Platform] | type[Transport]:
+    """The class registered as `name` in kind's entry-point group. It is trusted to be that
+    kind's protocol (`speckernel.conformance` checks a speculator)."""
     found = discover(kind)
     if name not in found:
         raise UnknownPluginError(kind, name, list(found))
-    return found[name].load()
+    cls: type[Speculator] | type[Platform] | type[Transport] = found[name].load()
+    return cls
 
 
-def pick_platform(name: str | None = None) -> Any:
+def pick_platform(name: str | None = None) -> Platform:
     """Instantiates the named platform, or the highest-priority available one."""
     if name is not None:
         cls = load("platform", name)
         if not cls.is_available():
             raise PlatformUnavailableError(f"platform {name!r} is installed but not available here")
         return cls()
-    candidates = [ep.load() for ep in discover("platform").values()]
+    candidates: list[type[Platform]] = [ep.load() for ep in discover("platform").values()]
     available = [c for c in candidates if c.is_available()]
     if not available:
         raise PlatformUnavailableError("no available platform found")

@@ -34,6 +34,7 @@ from speckernel.plugin import (
 from speckernel.speculators.learned import (
     MLP,
     DrafterConfig,
+    DrafterModule,
     LearnedSpeculator,
     Norm,
     Rope,
@@ -101,7 +102,7 @@ class CascadeLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class CascadeModule(nn.Module):
+class CascadeModule(DrafterModule):
     def __init__(self, cfg: DrafterConfig, target: ModelConfig, max_len: int) -> None:
         super().__init__()
         if len(cfg.kv_layers) != cfg.num_layers:
@@ -169,6 +170,7 @@ class CascadeModule(nn.Module):
         flat = at.clamp(max=t - 1).flatten(1)
         target = labels.gather(1, flat).view_as(at)
         valid = (top >= 0)[..., None] & inside & mask.gather(1, flat).view_as(at)
+        assert batch.target.head is not None
         logits = batch.target.head(hidden[valid])
         want = target[valid]
         weight = torch.exp(-(j - 1).float() / DECAY).expand_as(at)[valid]
@@ -209,7 +211,7 @@ class CausalCascadeSpeculator(LearnedSpeculator):
     capabilities = SpeculatorCapabilities(
         draft_width="variable", supports_k0=True, max_k=15, lookahead_slots_per_draft=0,
         k0_pass="nothing: it reads the target's own KV when it drafts",
-        uses_target_kv=True, uses_target_weights=True, device_only=True)
+        uses_target_kv=True, uses_target_weights=True, device_only=True, trainable=True)
     Options = CausalCascadeOptions
     Module = CascadeModule
 
@@ -235,9 +237,10 @@ class CausalCascadeSpeculator(LearnedSpeculator):
             raise InvalidInputError(f"causal_cascade: the drafter at {folder} has blocks of {cfg.block_size} "
                                     f"(at most {cfg.block_size - 1} drafts); got K={ctx.num_speculative_tokens}")
 
-    def __init__(self, ctx: SpeculatorContext) -> None:
+    def __init__(self, ctx: SpeculatorContext[CausalCascadeOptions]) -> None:
         super().__init__(ctx)
-        self.options: CausalCascadeOptions = ctx.options
+        self.options = ctx.options
+        self.module: CascadeModule
 
     def block_logits(self, states: TargetStates, k: int) -> torch.Tensor:
         """[R, k, V] float32 logits of block positions 1..k of every row (garbage for rows that
@@ -257,12 +260,15 @@ class CausalCascadeSpeculator(LearnedSpeculator):
         # Context: positions < a0 (the anchor's own KV is written by the next step).
         lens = anchor.clamp(min=1)[:, None].expand(rows, bk).reshape(-1)
 
+        target_kv = target.kv_cache
+
         def cross(i: int, q: torch.Tensor) -> torch.Tensor:
-            kv = target.kv_cache[m.config.kv_layers[i]]
+            kv = target_kv[m.config.kv_layers[i]]
             out = self.attention.attend(q.reshape(rows * bk, *q.shape[2:]), kv, tables, lens, q.shape[-1] ** -0.5)
             return out.view_as(q)
 
         hidden = m(x, positions, cross)[:, 1:]
+        assert target.head is not None
         return target.head(hidden.reshape(rows * k, -1)).view(rows, k, -1)
 
     def propose(self, states: TargetStates, k: int) -> Drafts:

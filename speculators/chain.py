@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from speckernel.plugin import (
     Drafts,
@@ -37,17 +36,23 @@ from speckernel.plugin import (
     TargetStates,
     TrainBatch,
 )
-from speckernel.speculators.learned import Attend, DrafterConfig, LearnedSpeculator, Rope, cache_slots, masked_attention
+from speckernel.speculators.learned import (
+    Attend,
+    DrafterConfig,
+    DrafterModule,
+    LearnedSpeculator,
+    Rope,
+    cache_slots,
+    masked_attention,
+)
 
 STEP_DECAY = 0.8
 """Loss weight of chain run j is STEP_DECAY ** (j - 1): later drafts matter only if earlier ones hold."""
 
 
-class ChainModule(nn.Module):
+class ChainModule(DrafterModule):
     """What a chained drafter's module gives: its feature of the target's hidden states, one run
     of its layer, and its draft tokens. `loss` is shared."""
-
-    config: DrafterConfig
 
     def __init__(self, cfg: DrafterConfig, target: ModelConfig, max_len: int) -> None:
         super().__init__()
@@ -128,7 +133,8 @@ class ChainModule(nn.Module):
 class ChainSpeculator(LearnedSpeculator):
     capabilities = SpeculatorCapabilities(draft_width="fixed", supports_k0=True, max_k=16,
                                           k0_pass="draft prefill: its layer writes the draft KV of the step's tokens",
-                                          lookahead_slots_per_draft=1, uses_target_weights=True, device_only=True)
+                                          lookahead_slots_per_draft=1, uses_target_weights=True, device_only=True,
+                                          trainable=True)
 
     def __init__(self, ctx: SpeculatorContext) -> None:
         super().__init__(ctx)

@@ -22,7 +22,7 @@ sees: training draws half the blocks shorter than block_size, so any K serves as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Generic, TypeVar, cast
 
 import msgspec
 import torch
@@ -43,9 +43,11 @@ from speckernel.speculators.learned import (
     Attend,
     DecoderBlock,
     DrafterConfig,
+    DrafterModule,
     LearnedSpeculator,
     Norm,
     Rope,
+    SelfAttention,
     TargetShape,
     cache_slots,
     checkpoint,
@@ -78,7 +80,7 @@ class TrainBlocks:
     """[B, A] anchor positions."""
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(DrafterModule):
     """fc + hidden_norm fuse the target layers; `layers` run over the block; `norm`, then the
     target's head. Tensor names follow the public DFlash layout."""
 
@@ -107,10 +109,14 @@ class DFlashDrafter(nn.Module):
     def context_kv(self, i: int, feat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's K (roped) and V of the context feature [..., H] -> [..., kv_heads, D]."""
-        attn = self.layers[i].self_attn
+        attn = self.attention_of(i)
         lead = feat.shape[:-1]
         k = attn.k_proj(feat).view(*lead, attn.nkv, attn.hd)
         return rope(k, cos, sin), attn.v_proj(feat).view(*lead, attn.nkv, attn.hd)
+
+    def attention_of(self, i: int) -> SelfAttention:
+        """Layer i's attention (a ModuleList item is typed as a plain module)."""
+        return cast(DecoderBlock, self.layers[i]).self_attn
 
     def positions_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rope(positions.clamp(0, self.rope.cos.shape[0] - 1))
@@ -125,6 +131,7 @@ class DFlashDrafter(nn.Module):
         """hidden [R, K, H] of the drafted positions -> (greedy drafts [R, K], a score [R, K]:
         the drafter's probability of each draft)."""
         r, k, h = hidden.shape
+        assert target.head is not None
         logits = target.head(hidden.reshape(r * k, h)).view(r, k, -1)
         return logits.argmax(dim=-1), draft_probability(logits)
 
@@ -159,6 +166,7 @@ class DFlashDrafter(nn.Module):
 
         feat = self.context(batch.hidden)  # [B, T, H]
         ctx_cos, ctx_sin = self.positions_cos_sin(torch.arange(t, device=dev).expand(b, t))
+        assert batch.target.embed is not None
         emb = batch.target.embed(anchor_tok)  # [B, A, H]
         x = torch.cat([emb[:, :, None], self.mask_embedding.to(emb.dtype).expand(b, n, bs - 1, -1)], dim=2)
         x = x.reshape(b, n * bs, -1)
@@ -174,7 +182,7 @@ class DFlashDrafter(nn.Module):
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 ck, cv = self.context_kv(i, feat, ctx_cos, ctx_sin)
                 keys, values = torch.cat([ck.to(k.dtype), k], dim=1), torch.cat([cv.to(v.dtype), v], dim=1)
-                return masked_attention(q, keys, values, attn_mask, self.layers[i].self_attn.scale)
+                return masked_attention(q, keys, values, attn_mask, self.attention_of(i).scale)
             return attend
 
         hidden = self.backbone(x, cos, sin, [layer_attend(i) for i in range(len(self.layers))])
@@ -185,6 +193,7 @@ class DFlashDrafter(nn.Module):
         return torch.exp(-torch.arange(self.config.block_size - 1, device=device, dtype=torch.float32) / DECAY)
 
     def head_loss(self, blocks: TrainBlocks, target: TargetModel) -> tuple[torch.Tensor, dict[str, float]]:
+        assert target.head is not None
         logits = target.head(blocks.hidden.reshape(-1, blocks.hidden.shape[-1]))
         return weighted_ce(logits.view(*blocks.labels.shape, -1), blocks, self.position_weights(logits.device))
 
@@ -215,12 +224,16 @@ class DFlashOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A draft whose drafter probability is below this ends the row's drafts."""
 
 
-class DFlashSpeculator(LearnedSpeculator):
-    name = "dflash"
+BlockOptionsT = TypeVar("BlockOptionsT", bound=msgspec.Struct)
+
+
+class BlockSpeculator(LearnedSpeculator, Generic[BlockOptionsT]):
+    """The serving side dflash and dspark share; each gives its options and `keep`, their cut."""
+
     capabilities = SpeculatorCapabilities(draft_width="variable", supports_k0=True, max_k=15,
                                           k0_pass="stores the context K/V of the step's tokens",
-                                          lookahead_slots_per_draft=2, uses_target_weights=True, device_only=True)
-    Options = DFlashOptions
+                                          lookahead_slots_per_draft=2, uses_target_weights=True, device_only=True,
+                                          trainable=True)
     Module = DFlashDrafter
 
     @classmethod
@@ -238,7 +251,7 @@ class DFlashSpeculator(LearnedSpeculator):
             raise InvalidInputError(f"{cls.name}: this drafter's block of {cfg.block_size} drafts at most "
                                     f"{cfg.block_size - 1} tokens; got K={ctx.num_speculative_tokens}")
 
-    def __init__(self, ctx: SpeculatorContext) -> None:
+    def __init__(self, ctx: SpeculatorContext[BlockOptionsT]) -> None:
         super().__init__(ctx)
         self.options = ctx.options
         self.module: DFlashDrafter
@@ -255,7 +268,7 @@ class DFlashSpeculator(LearnedSpeculator):
 
     def keep(self, score: torch.Tensor) -> torch.Tensor:
         """[R, K] bool: which drafts pass the options' cut (trim ends a row at its first False)."""
-        return score >= self.options.min_prob
+        raise NotImplementedError
 
     def _write_context(self, states: TargetStates) -> None:
         """Context K/V of every token of the step into each layer's draft KV, at its cache slot."""
@@ -287,9 +300,11 @@ class DFlashSpeculator(LearnedSpeculator):
         x = torch.cat([emb[:, None], self.module.mask_embedding.to(emb.dtype).expand(rows, k, -1)], dim=1)
         cos, sin = self.module.positions_cos_sin(pos)
 
+        draft_kv = self.kv
+
         def layer_attend(i: int) -> Attend:
-            kv = self.kv[i]
-            scale = self.module.layers[i].self_attn.scale
+            kv = draft_kv[i]
+            scale = self.module.attention_of(i).scale
 
             def attend(q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 self.attention.write(kk.reshape(rows * n, *kk.shape[2:]), v.reshape(rows * n, *v.shape[2:]),
@@ -301,3 +316,10 @@ class DFlashSpeculator(LearnedSpeculator):
         hidden = self.module.backbone(x, cos, sin, [layer_attend(i) for i in range(len(self.module.layers))])
         return hidden[:, 1:], anchor
 
+
+class DFlashSpeculator(BlockSpeculator[DFlashOptions]):
+    name = "dflash"
+    Options = DFlashOptions
+
+    def keep(self, score: torch.Tensor) -> torch.Tensor:
+        return score >= self.options.min_prob

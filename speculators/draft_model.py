@@ -15,11 +15,13 @@ that count back. Fixed width: the host needs only the count.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 import msgspec
 import torch
 
+from speckernel.kit import load_model, read_config, resolve_model, target_noise
 from speckernel.plugin import (
     Drafts,
     InvalidInputError,
@@ -28,10 +30,6 @@ from speckernel.plugin import (
     SpeculatorCapabilities,
     SpeculatorContext,
     TargetStates,
-    load_model,
-    read_config,
-    resolve_model,
-    target_noise,
 )
 
 
@@ -56,7 +54,7 @@ class DraftModelSpeculator(SpeculatorBase):
                                           lookahead_slots_per_draft=1)
     Options = DraftModelOptions
 
-    def __init__(self, ctx: SpeculatorContext) -> None:
+    def __init__(self, ctx: SpeculatorContext[DraftModelOptions]) -> None:
         cfg = self._draft_config(ctx)
         self.model = load_model(self._path(ctx), ctx.dtype, ctx.device, ctx.max_model_len + self.capabilities.max_k + 1)
         del self.model.layers[cfg.num_layers:]
@@ -68,17 +66,17 @@ class DraftModelSpeculator(SpeculatorBase):
         self.slots: dict[int, SlotKV] = {}
 
     @staticmethod
-    def _path(ctx: SpeculatorContext):  # type: ignore[no-untyped-def]
+    def _path(ctx: SpeculatorContext[DraftModelOptions]) -> Path:
         return resolve_model(ctx.draft_model or str(ctx.target_path))
 
     @classmethod
-    def _draft_config(cls, ctx: SpeculatorContext) -> ModelConfig:
+    def _draft_config(cls, ctx: SpeculatorContext[DraftModelOptions]) -> ModelConfig:
         draft = read_config(cls._path(ctx))
         n = ctx.options.num_layers or draft.num_layers
         return msgspec.structs.replace(draft, num_layers=n)
 
     @classmethod
-    def check(cls, ctx: SpeculatorContext) -> None:
+    def check(cls, ctx: SpeculatorContext[DraftModelOptions]) -> None:
         draft = read_config(cls._path(ctx))
         if ctx.options.num_layers > draft.num_layers:
             raise InvalidInputError(f"draft_model option num_layers: expected an integer in [1, {draft.num_layers}], "
@@ -89,14 +87,16 @@ class DraftModelSpeculator(SpeculatorBase):
                 f"({ctx.target.vocab_size}); draft_model needs the target's tokenizer")
 
     @classmethod
-    def draft_kv_bytes_per_token(cls, ctx: SpeculatorContext) -> int:
+    def draft_kv_bytes_per_token(cls, ctx: SpeculatorContext[DraftModelOptions]) -> int:
         cfg = cls._draft_config(ctx)
         return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=ctx.dtype).element_size()
 
     def _catch_up(self, states: TargetStates) -> torch.Tensor:
         """Feeds each row's confirmed tokens not yet in the draft KV; returns the logits at
         each row's last confirmed position."""
-        chunks, slot_of, pos_of = [], [], []
+        chunks: list[tuple[int, int, list[int]]] = []
+        slot_of: list[int] = []
+        pos_of: list[int] = []
         accepted = states.accepted.tolist()
         for i in range(states.num_rows):
             slot, gen, end = states.slots[i], states.generations[i], states.seq_lens[i]

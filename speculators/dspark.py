@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speckernel.plugin import InvalidInputError, ModelConfig, TargetModel
-from speckernel.speculators.dflash import DFlashDrafter, DFlashSpeculator, TrainBlocks, weighted_ce
+from speckernel.speculators.dflash import BlockSpeculator, DFlashDrafter, TrainBlocks, weighted_ce
 from speckernel.speculators.learned import DrafterConfig
 
 CONFIDENCE_WEIGHT = 1.0
@@ -51,6 +51,7 @@ class DSparkDrafter(DFlashDrafter):
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Left to right, each position conditioned on the previous draft; the score is the
         confidence that each draft is accepted."""
+        assert target.head is not None
         prev, drafts, conf = anchor, [], []
         for j in range(hidden.shape[1]):
             h = self.markov(hidden[:, j], prev, target)
@@ -61,6 +62,7 @@ class DSparkDrafter(DFlashDrafter):
 
     def head_loss(self, blocks: TrainBlocks, target: TargetModel) -> tuple[torch.Tensor, dict[str, float]]:
         h = self.markov(blocks.hidden, blocks.prev, target)
+        assert target.head is not None
         logits = target.head(h.reshape(-1, h.shape[-1])).view(*blocks.labels.shape, -1)
         ce, figures = weighted_ce(logits, blocks, self.position_weights(logits.device))
         hit = (logits.argmax(dim=-1) == blocks.labels).float()
@@ -75,7 +77,7 @@ class DSparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A row's drafts end where the running product of confidences falls below this."""
 
 
-class DSparkSpeculator(DFlashSpeculator):
+class DSparkSpeculator(BlockSpeculator[DSparkOptions]):
     name = "dspark"
     Options = DSparkOptions
     Module = DSparkDrafter

@@ -25,6 +25,13 @@ class MidLayer(DecoderBlock):
 
 
 class Eagle3Module(ChainModule):
+    d2t: torch.Tensor
+    """Draft index -> target id offset (public EAGLE-3 layout)."""
+    t2d: torch.Tensor
+    """Target id -> in the draft vocabulary."""
+    t2d_index: torch.Tensor
+    """Target id -> draft index (-1: not in it), derived from d2t."""
+
     def __init__(self, cfg: DrafterConfig, target: ModelConfig, max_len: int) -> None:
         super().__init__(cfg, target, max_len)
         h = cfg.hidden_size

@@ -8,14 +8,16 @@
   the kernel's paged attention over the drafter's own KV at serving time, a dense mask in
   training. So one module serves both, and training computes what serving computes.
 - `LearnedSpeculator` derives the kernel contract from the checkpoint: the target layers it
-  reads, its draft-KV bytes per token, and its loading.
+  reads, its draft-KV bytes per token, and its loading. It also has the training protocol
+  (`speckernel.plugin.TrainableSpeculator`) that `speckernel train-drafter` drives, and each
+  learned speculator declares `trainable=True` in its capabilities.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 import torch
@@ -23,17 +25,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from speckernel.kit import RMSNorm, apply_rope, cos_sin_table, fused_ops
 from speckernel.plugin import (
     InvalidInputError,
     ModelConfig,
-    RMSNorm,
     SpeculatorBase,
     SpeculatorCapabilities,
     SpeculatorContext,
+    TrainableDrafter,
     TrainBatch,
-    apply_rope,
-    cos_sin_table,
-    fused_ops,
 )
 
 WEIGHTS = Path(__file__).parent / "weights"
@@ -126,7 +126,10 @@ def read_checked(folder: Path, method: str, target: ModelConfig, source: str = "
     return cfg
 
 
-def load_weights(module: nn.Module, folder: Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def load_weights(module: ModuleT, folder: Path, device: torch.device, dtype: torch.dtype) -> ModuleT:
     state = load_file(str(folder / "model.safetensors"), device="cpu")
     missing, unexpected = module.load_state_dict(state, strict=False)
     if missing or unexpected:
@@ -146,6 +149,9 @@ def load_weights(module: nn.Module, folder: Path, device: torch.device, dtype: t
 class Rope(nn.Module):
     """The target's rotary table (drafters place their tokens at the target's positions)."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, target: ModelConfig, head_dim: int, max_len: int) -> None:
         super().__init__()
         cos, sin = cos_sin_table(msgspec.structs.replace(target, head_dim=head_dim), max_len)
@@ -163,7 +169,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return out.to(x.dtype).reshape(shape)
 
 
-def fused(module: nn.Module) -> bool:
+def fused(module: Norm | SelfAttention | MLP | DecoderBlock) -> bool:
     """Whether a layer runs the kernel's fused kernels now: switched on for serving on a platform
     that has them (`use_fused_kernels`), and never under autograd (they have no backward)."""
     return module.fused and not torch.is_grad_enabled()
@@ -171,12 +177,12 @@ def fused(module: nn.Module) -> bool:
 
 def use_fused_kernels(module: nn.Module, enabled: bool = True) -> nn.Module:
     """Switches every `Norm`, `SelfAttention`, `MLP` and `DecoderBlock` of a loaded drafter to
-    the fused kernels of `speckernel.plugin.fused_ops`: at batch 1 a drafter's pass is bound by
+    the fused kernels of `speckernel.kit.fused_ops`: at batch 1 a drafter's pass is bound by
     kernel launches, and these make a layer about half as many."""
     for m in module.modules():
-        if hasattr(m, "fused"):
+        if isinstance(m, Norm | SelfAttention | MLP | DecoderBlock):
             m.fused = enabled
-            if enabled and hasattr(m, "fuse_weights"):
+            if enabled and isinstance(m, SelfAttention | MLP):
                 m.fuse_weights()
     return module
 
@@ -314,22 +320,22 @@ def trim(drafts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep.to(torch.int64).cumprod(dim=1).bool(), drafts, -1)
 
 
-class LearnedDrafter(Protocol):
-    """The module a learned speculator runs and `speckernel train-drafter` trains."""
+class DrafterModule(nn.Module):
+    """The module a learned speculator runs and `speckernel train-drafter` trains (a
+    `speckernel.plugin.TrainableDrafter`), built as Module(config, target_config, max_len)."""
 
     config: DrafterConfig
 
     def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """Training loss on one batch, and named figures for the progress bar and the log."""
-        ...
+        raise NotImplementedError
 
 
 class LearnedSpeculator(SpeculatorBase):
     """Contract plumbing from a checkpoint: subclasses give `Module`, `defaults(target)` and
     the per-row passes."""
 
-    Module: ClassVar[Any]
-    """nn.Module class built as Module(config, target_config, max_len)."""
+    Module: ClassVar[type[DrafterModule]]
     capabilities: ClassVar[SpeculatorCapabilities]
 
     @classmethod
@@ -338,7 +344,7 @@ class LearnedSpeculator(SpeculatorBase):
         raise NotImplementedError
 
     @classmethod
-    def new_drafter(cls, target: ModelConfig, max_len: int, **overrides: Any) -> nn.Module:
+    def new_drafter(cls, target: ModelConfig, max_len: int, **overrides: Any) -> DrafterModule:
         """An untrained drafter for this target (what `train-drafter` starts from)."""
         cfg = msgspec.structs.replace(cls.defaults(target), **overrides)
         return cls.Module(cfg, target, max_len)
@@ -346,12 +352,13 @@ class LearnedSpeculator(SpeculatorBase):
     @classmethod
     def read_checkpoint(cls, folder: Path, target: ModelConfig) -> DrafterConfig:
         """The architecture `train-drafter --init` starts from, checked like a served checkpoint."""
-        return read_checked(folder, cls.name, target)  # type: ignore[attr-defined]
+        return read_checked(folder, cls.name, target)
 
     @classmethod
-    def save(cls, folder: Path, module: Any) -> None:
+    def save(cls, folder: Path, drafter: TrainableDrafter) -> None:
         """Writes a checkpoint that `--draft-model folder` loads."""
-        save(folder, module.config, module)
+        assert isinstance(drafter, cls.Module), f"{cls.name} saves the drafters its new_drafter builds"
+        save(folder, drafter.config, drafter)
 
     @classmethod
     def draft_kv_layers(cls, cfg: DrafterConfig) -> int:
@@ -360,21 +367,21 @@ class LearnedSpeculator(SpeculatorBase):
 
     @classmethod
     def check(cls, ctx: SpeculatorContext) -> None:
-        checkpoint(cls.name, ctx)  # type: ignore[attr-defined]
+        checkpoint(cls.name, ctx)
 
     @classmethod
     def capabilities_for(cls, ctx: SpeculatorContext) -> SpeculatorCapabilities:
-        _, cfg = checkpoint(cls.name, ctx)  # type: ignore[attr-defined]
+        _, cfg = checkpoint(cls.name, ctx)
         return msgspec.structs.replace(cls.capabilities, target_hidden_layers=cfg.target_layers)
 
     @classmethod
     def draft_kv_bytes_per_token(cls, ctx: SpeculatorContext) -> int:
-        _, cfg = checkpoint(cls.name, ctx)  # type: ignore[attr-defined]
+        _, cfg = checkpoint(cls.name, ctx)
         size = torch.empty((), dtype=ctx.dtype).element_size()
         return cls.draft_kv_layers(cfg) * 2 * cfg.num_kv_heads * cfg.head_dim * size
 
     def __init__(self, ctx: SpeculatorContext) -> None:
-        folder, cfg = checkpoint(self.name, ctx)  # type: ignore[attr-defined]
+        folder, cfg = checkpoint(self.name, ctx)
         self.cfg = cfg
         self.capabilities = self.capabilities_for(ctx)  # type: ignore[misc]
         self.module = load_weights(self.Module(cfg, ctx.target, ctx.max_model_len + self.capabilities.max_k + 2),

@@ -45,6 +45,7 @@ class MtpModule(ChainModule):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def logits(self, out: torch.Tensor, target: TargetModel) -> torch.Tensor:
+        assert target.head is not None, "mtp declares uses_target_weights"
         return target.head(self.shared_head.norm(out))
 
 

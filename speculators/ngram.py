@@ -87,13 +87,13 @@ class NgramSpeculator(SpeculatorBase):
                                           k0_pass="nothing: it reads the token buffer when it drafts")
     Options = NgramOptions
 
-    def __init__(self, ctx: SpeculatorContext) -> None:
+    def __init__(self, ctx: SpeculatorContext[NgramOptions]) -> None:
         self.device = ctx.device
-        self.options: NgramOptions = ctx.options
+        self.options = ctx.options
 
     @classmethod
-    def check(cls, ctx: SpeculatorContext) -> None:
-        o: NgramOptions = ctx.options
+    def check(cls, ctx: SpeculatorContext[NgramOptions]) -> None:
+        o = ctx.options
         if o.prompt_lookup_min > o.prompt_lookup_max:
             raise InvalidInputError(f"ngram: prompt_lookup_min ({o.prompt_lookup_min}) exceeds "
                                     f"prompt_lookup_max ({o.prompt_lookup_max})")

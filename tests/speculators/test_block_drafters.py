@@ -17,8 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from speckernel.config import EngineConfig
 from speckernel.engine.core import EngineCore
 from speckernel.errors import InvalidInputError
+from speckernel.kit import RMSNorm
 from speckernel.ops.paged_attention import PagedAttention
-from speckernel.plugin import ModelConfig, RMSNorm, SpeculatorContext, TargetModel, TargetStates, TrainBatch
+from speckernel.plugin import ModelConfig, SpeculatorContext, TargetModel, TargetStates, TrainBatch
 from speckernel.speculators import learned
 from speckernel.speculators.dflash import DFlashOptions, DFlashSpeculator, trim
 from speckernel.speculators.dspark import DSparkOptions, DSparkSpeculator

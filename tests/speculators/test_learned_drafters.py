@@ -21,12 +21,15 @@ from speckernel.sampling_params import SamplingParams
 from speckernel.speculators.learned import use_fused_kernels
 from speckernel.tools.cli import build_parser
 from speckernel.tools.train.data import Sequences
-from speckernel.tools.train.drafter import LEARNED, train
+from speckernel.tools.train.drafter import train, trainable
 from tests.conftest import run_to_completion
 
 TARGET = "random:tiny,num_layers=6"
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 K = {"mtp": 3, "eagle3": 3, "dflash": 3, "dspark": 3, "causal_cascade": 3}
+BUILTIN = {n for n, ep in registry.discover("speculator").items() if ep.value.startswith("speckernel.")}
+LEARNED = [n for n in trainable() if n in BUILTIN]
+"""The built-in learned drafters, found as `train-drafter` finds them: trainable in their capabilities."""
 
 
 def core_for(speculator: str | None = None, **kw) -> EngineCore:  # type: ignore[no-untyped-def]
@@ -177,8 +180,20 @@ def test_a_checkpoint_for_another_target_is_refused(data, tmp_path) -> None:  # 
         core_for("mtp", draft_model=str(tmp_path))
 
 
+def test_train_drafter_methods_are_the_speculators_declared_trainable() -> None:
+    """`--method` comes from the registry (capabilities.trainable plus the training protocol),
+    in name order; a speculator without a trained drafter is refused before anything runs."""
+    assert LEARNED == sorted(K)
+    assert build_parser().parse_args(["train-drafter", "--method", "mtp", "--method", "dspark"]).method == \
+        ["mtp", "dspark"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train-drafter", "--method", "ngram"])
+
+
 def test_plugins_json_declares_width_and_k0_pass() -> None:
     listed = registry.describe()["speculators"]
+    assert {n for n, entry in listed.items() if entry["trainable"] and n in K} == set(LEARNED)
+    assert not listed["ngram"]["trainable"] and not listed["draft_model"]["trainable"]
     assert {n for n in LEARNED if listed[n]["draft_width"] == "fixed"} == {"mtp", "eagle3"}
     assert {n for n in LEARNED if listed[n]["draft_width"] == "variable"} == {"dflash", "dspark", "causal_cascade"}
     assert all(listed[n]["supports_k0"] and listed[n]["device_only"] and listed[n]["k0_pass"] for n in LEARNED)

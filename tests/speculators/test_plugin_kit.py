@@ -15,7 +15,7 @@ import pytest
 from speckernel.conformance import check_speculator
 
 pytestmark = pytest.mark.slow
-EXAMPLE = Path(__file__).parent / "example_speculator"
+EXAMPLE = Path(__file__).parents[1] / "example_speculator"
 
 
 @pytest.mark.parametrize("name", ["ngram", "draft_model"])

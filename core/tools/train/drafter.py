@@ -8,6 +8,9 @@
    own loss (chained runs for mtp/eagle3, anchor blocks for dflash/dspark/causal_cascade).
    Several `--method`s train at once on the same batches: the target's forward, the larger
    part of a step, runs once for all of them, and each learns exactly what it would alone.
+   The methods are the discovered speculators whose capabilities say `trainable`: they have
+   the training protocol of `speckernel.plugin.TrainableSpeculator`, so a third-party drafter
+   trains here as the built-in ones do.
 3. Output: `--out` holds `config.json` + `model.safetensors` (what `--draft-model` loads), a
    resumable `state.pt` written every `--save-every` steps, `train_log.json` and `loss.png`.
    Running the same command again resumes where the last one stopped.
@@ -21,24 +24,58 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ... import registry
 from ...errors import InvalidInputError
 
 if TYPE_CHECKING:
-    from .data import Sequences
+    import torch
 
-LEARNED = ("mtp", "eagle3", "dflash", "dspark", "causal_cascade")
+    from ...model_config import ModelConfig
+    from ...plugin import TrainableDrafter, TrainableSpeculator
+    from .data import Sequences, TargetFeatures
+
+
+@cache
+def trainable() -> dict[str, type[TrainableSpeculator]]:
+    """Every discovered speculator that `train-drafter` trains, by name in sorted order: its
+    capabilities say `trainable` and its class has the training protocol."""
+    from ...plugin import TrainableSpeculator  # the contract imports torch; building the CLI parser must not
+
+    found: dict[str, type[TrainableSpeculator]] = {}
+    for name in sorted(registry.discover("speculator")):
+        try:
+            cls = registry.load("speculator", name)
+        except Exception:  # a broken third-party plugin must not hide the others (`speckernel plugins` shows it)
+            continue
+        if cls.capabilities.trainable and issubclass(cls, TrainableSpeculator):
+            found[name] = cls
+    return found
+
+
+class TrainableNames:
+    """`--method`'s choices, read from the registry the first time argparse checks or lists
+    them: loading plugins imports torch, which building the parser for another command must not."""
+
+    def __contains__(self, name: object) -> bool:
+        return name in trainable()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(trainable())
 
 
 def add_arguments(sub: Any) -> None:
-    p = sub.add_parser("train-drafter", help="train a learned drafter (mtp, eagle3, dflash, dspark, causal_cascade)",
+    p = sub.add_parser("train-drafter", help="train a learned drafter (a trainable speculator)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--method", required=True, choices=LEARNED, action="append",
-                   help="repeatable: several methods train at once on the same batches, sharing one forward of "
-                        "the target per batch (--out and --init then hold a folder per method)")
+    p.add_argument("--method", required=True, choices=TrainableNames(), action="append", metavar="METHOD",
+                   help="a trainable speculator (%(choices)s); repeatable: several methods train at once on the "
+                        "same batches, sharing one forward of the target per batch (--out and --init then hold a "
+                        "folder per method)")
     p.add_argument("--target", default="smollm2-135m", help="built-in name, GGUF file or safetensors folder")
     p.add_argument("--out", type=Path, default=None,
                    help="output folder (default: drafters/METHOD; with several methods, drafters/ holding one "
@@ -155,10 +192,10 @@ class MethodRun:
     """One method's training: its drafter, optimizer, log and folder."""
 
     method: str
-    cls: Any
-    drafter: Any
-    optimizer: Any
-    params: list[Any]
+    cls: type[TrainableSpeculator]
+    drafter: TrainableDrafter
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
     out: Path
     log: list[dict[str, float]] = field(default_factory=list)
     step: int = 0
@@ -171,7 +208,8 @@ class MethodRun:
         (self.out / "state.tmp").replace(self.out / "state.pt")
 
 
-def evaluate(runs: list[MethodRun], features: Any, held: list[Any], device: Any) -> None:
+def evaluate(runs: list[MethodRun], features: TargetFeatures, held: list[tuple[torch.Tensor, torch.Tensor]],
+             device: torch.device) -> None:
     """Each run's loss and figures on the fixed held-out batches, added to its last log entry as
     val_*. Seeded per batch (the same anchors every time, alone or beside other methods), inside a
     forked RNG, so measuring changes nothing that training draws next."""
@@ -204,16 +242,16 @@ def method_folders(args: argparse.Namespace) -> dict[str, tuple[Path, Path | Non
     return {m: (base / m, None if args.init is None else args.init / m) for m in methods}
 
 
-def start_method(args: argparse.Namespace, method: str, out: Path, init: Path | None, target_cfg: Any,
-                 data: Sequences, device: Any) -> MethodRun:
+def start_method(args: argparse.Namespace, method: str, out: Path, init: Path | None, target_cfg: ModelConfig,
+                 data: Sequences, device: torch.device) -> MethodRun:
     """A method's drafter: new (seeded), from --init, or resumed from its folder's state.pt."""
     import msgspec
     import torch
 
-    from ... import registry
+    from ...plugin import FitsVocabulary  # the contract imports torch, which the CLI parser's process must not
     from .data import label_counts
 
-    cls = registry.load("speculator", method)
+    cls = trainable()[method]
     overrides = parse_overrides(args.set)
     if init is not None:
         saved = msgspec.structs.asdict(cls.read_checkpoint(init, target_cfg))
@@ -224,7 +262,7 @@ def start_method(args: argparse.Namespace, method: str, out: Path, init: Path | 
         from safetensors.torch import load_file
 
         drafter.load_state_dict(load_file(str(init / "model.safetensors"), device=str(device)))
-    elif hasattr(drafter, "fit_vocab"):
+    elif isinstance(drafter, FitsVocabulary):
         drafter.fit_vocab(label_counts(data, target_cfg.vocab_size))
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)

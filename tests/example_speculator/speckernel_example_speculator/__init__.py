@@ -47,7 +47,8 @@ class HiddenProbe(RepeatLastSpeculator):
     def _check(self, states: TargetStates) -> None:
         assert set(states.hidden) == {2, 15, 29}, f"hidden states of layers {sorted(states.hidden)}"
         target = states.target
-        assert target is not None and target.kv_cache is not None and target.head is not None
+        assert target is not None and target.kv_cache is not None
+        assert target.head is not None and target.norm is not None
         assert target.kv_cache.shape[0] == target.config.num_layers
         for h in states.hidden.values():
             assert h.shape == (len(states.positions), target.config.hidden_size)

@@ -1,0 +1,44 @@
+"""The drafter kit: the target's own building blocks, for speculators that run layers of their own.
+
+`speckernel.plugin` is the contract every speculator imports; this module is what the learned
+drafters (and `draft_model`) build on besides it, so that a drafter computes exactly what the
+target computes:
+
+- layers: `RMSNorm`, and `LlamaModel` (what `load_model` returns: embed, layers, norm, logits);
+- rope: `cos_sin_table` (the target's rotary table for a config) and `apply_rope`;
+- KV: `new_kv_cache`, a paged KV cache laid out like the target's;
+- target access: `resolve_model` (a name, GGUF file or folder to a checkpoint path),
+  `read_config` (its `ModelConfig`), `load_model` (its weights on a device);
+- sampling: `target_noise`, the noise the target samples a position with, so a drafter can
+  draw the token the target will draw;
+- `fused_ops`: the kernel's fused Triton ops (rms_norm with residual add, q/k rope, silu_mul),
+  for a platform where `SpeculatorContext.fused_kernels` says they run.
+
+The kit is versioned with the kernel, not with the contract: its names and signatures follow
+the kernel's models and ops. A plugin that uses it is tied to the speckernel version it was
+written for; a plugin that needs only the contract imports `speckernel.plugin` alone.
+"""
+
+from __future__ import annotations
+
+from .models.checkpoint import read_config
+from .models.checkpoint import resolve as resolve_model
+from .models.llama import LlamaModel, RMSNorm
+from .models.loader import load_model
+from .models.paged import new_kv_cache
+from .ops import fused_ops
+from .ops.rope import apply_rope, cos_sin_table
+from .runner.sampler import target_noise
+
+__all__ = [
+    "LlamaModel",
+    "RMSNorm",
+    "apply_rope",
+    "cos_sin_table",
+    "fused_ops",
+    "load_model",
+    "new_kv_cache",
+    "read_config",
+    "resolve_model",
+    "target_noise",
+]
