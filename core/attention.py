@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # annotations only: the contract imports without torch
+    import numpy as np
+    import torch
 
 Chunk = tuple[int, int, Sequence[int]]
 """(start_pos, num_new_tokens, block_ids) of one sequence in a step."""

@@ -22,7 +22,7 @@ _PROCESSORS: list[structlog.typing.Processor] = [
 ]
 
 
-class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+class _Handler(logging.StreamHandler):
     """Ours, so configuring twice replaces it instead of adding a second one."""
 
 

@@ -31,17 +31,14 @@ from speckernel.plugin import (
     TargetStates,
     TrainBatch,
 )
+from speckernel.speculators import learned
 from speckernel.speculators.learned import (
     MLP,
     DrafterConfig,
-    DrafterModule,
-    LearnedSpeculator,
     Norm,
     Rope,
     SelfAttention,
-    TargetShape,
     causal_mask,
-    checkpoint,
     draft_probability,
     masked_attention,
     rope,
@@ -102,7 +99,7 @@ class CascadeLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class CascadeModule(DrafterModule):
+class CascadeModule(learned.DrafterModule):
     def __init__(self, cfg: DrafterConfig, target: ModelConfig, max_len: int) -> None:
         super().__init__()
         if len(cfg.kv_layers) != cfg.num_layers:
@@ -206,7 +203,7 @@ class CausalCascadeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     """A draft whose probability is below this ends the row's drafts."""
 
 
-class CausalCascadeSpeculator(LearnedSpeculator):
+class CausalCascadeSpeculator(learned.LearnedSpeculator[CausalCascadeOptions]):
     name = "causal_cascade"
     capabilities = SpeculatorCapabilities(
         draft_width="variable", supports_k0=True, max_k=15, lookahead_slots_per_draft=0,
@@ -214,12 +211,13 @@ class CausalCascadeSpeculator(LearnedSpeculator):
         uses_target_kv=True, uses_target_weights=True, device_only=True, trainable=True)
     Options = CausalCascadeOptions
     Module = CascadeModule
+    module: CascadeModule
 
     @classmethod
     def defaults(cls, target: ModelConfig) -> DrafterConfig:
         n = target.num_layers
         return DrafterConfig(
-            method=cls.name, target=TargetShape.of(target), hidden_size=target.hidden_size,
+            method=cls.name, target=learned.TargetShape.of(target), hidden_size=target.hidden_size,
             intermediate_size=INTERMEDIATE_SIZE, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
             head_dim=target.head_dim, num_layers=2, kv_layers=(n // 2, n - 1), block_size=8)
 
@@ -229,18 +227,13 @@ class CausalCascadeSpeculator(LearnedSpeculator):
 
     @classmethod
     def check(cls, ctx: SpeculatorContext) -> None:
-        folder, cfg = checkpoint(cls.name, ctx)
+        folder, cfg = learned.checkpoint(cls.name, ctx)
         if len(cfg.kv_layers) != cfg.num_layers or not all(0 <= i < ctx.target.num_layers for i in cfg.kv_layers):
             raise InvalidInputError(f"causal_cascade: {folder} reads target layers {cfg.kv_layers} with "
                                     f"{cfg.num_layers} layers; the target has {ctx.target.num_layers}")
         if ctx.num_speculative_tokens > cfg.block_size - 1:
             raise InvalidInputError(f"causal_cascade: the drafter at {folder} has blocks of {cfg.block_size} "
                                     f"(at most {cfg.block_size - 1} drafts); got K={ctx.num_speculative_tokens}")
-
-    def __init__(self, ctx: SpeculatorContext[CausalCascadeOptions]) -> None:
-        super().__init__(ctx)
-        self.options = ctx.options
-        self.module: CascadeModule
 
     def block_logits(self, states: TargetStates, k: int) -> torch.Tensor:
         """[R, k, V] float32 logits of block positions 1..k of every row (garbage for rows that

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from speckernel.plugin import (
     Drafts,
     ModelConfig,
+    NoOptions,
     SpeculatorCapabilities,
     SpeculatorContext,
     TargetModel,
@@ -130,7 +131,7 @@ class ChainModule(DrafterModule):
         return torch.cat([causal, *([eye] * j)], dim=1)
 
 
-class ChainSpeculator(LearnedSpeculator):
+class ChainSpeculator(LearnedSpeculator[NoOptions]):
     capabilities = SpeculatorCapabilities(draft_width="fixed", supports_k0=True, max_k=16,
                                           k0_pass="draft prefill: its layer writes the draft KV of the step's tokens",
                                           lookahead_slots_per_draft=1, uses_target_weights=True, device_only=True,

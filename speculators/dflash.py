@@ -22,7 +22,7 @@ sees: training draws half the blocks shorter than block_size, so any K serves as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Generic, TypeVar, cast
+from typing import Annotated, TypeVar, cast
 
 import msgspec
 import torch
@@ -227,7 +227,7 @@ class DFlashOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 BlockOptionsT = TypeVar("BlockOptionsT", bound=msgspec.Struct)
 
 
-class BlockSpeculator(LearnedSpeculator, Generic[BlockOptionsT]):
+class BlockSpeculator(LearnedSpeculator[BlockOptionsT]):
     """The serving side dflash and dspark share; each gives its options and `keep`, their cut."""
 
     capabilities = SpeculatorCapabilities(draft_width="variable", supports_k0=True, max_k=15,
@@ -235,6 +235,7 @@ class BlockSpeculator(LearnedSpeculator, Generic[BlockOptionsT]):
                                           lookahead_slots_per_draft=2, uses_target_weights=True, device_only=True,
                                           trainable=True)
     Module = DFlashDrafter
+    module: DFlashDrafter
 
     @classmethod
     def defaults(cls, target: ModelConfig) -> DrafterConfig:
@@ -250,11 +251,6 @@ class BlockSpeculator(LearnedSpeculator, Generic[BlockOptionsT]):
         if ctx.num_speculative_tokens > cfg.block_size - 1:
             raise InvalidInputError(f"{cls.name}: this drafter's block of {cfg.block_size} drafts at most "
                                     f"{cfg.block_size - 1} tokens; got K={ctx.num_speculative_tokens}")
-
-    def __init__(self, ctx: SpeculatorContext[BlockOptionsT]) -> None:
-        super().__init__(ctx)
-        self.options = ctx.options
-        self.module: DFlashDrafter
 
     def sync(self, states: TargetStates) -> None:
         self._write_context(states)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import msgspec
 import torch
@@ -127,6 +127,7 @@ def read_checked(folder: Path, method: str, target: ModelConfig, source: str = "
 
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
+OptionsT = TypeVar("OptionsT", bound=msgspec.Struct)
 
 
 def load_weights(module: ModuleT, folder: Path, device: torch.device, dtype: torch.dtype) -> ModuleT:
@@ -331,7 +332,7 @@ class DrafterModule(nn.Module):
         raise NotImplementedError
 
 
-class LearnedSpeculator(SpeculatorBase):
+class LearnedSpeculator(SpeculatorBase, Generic[OptionsT]):
     """Contract plumbing from a checkpoint: subclasses give `Module`, `defaults(target)` and
     the per-row passes."""
 
@@ -380,8 +381,9 @@ class LearnedSpeculator(SpeculatorBase):
         size = torch.empty((), dtype=ctx.dtype).element_size()
         return cls.draft_kv_layers(cfg) * 2 * cfg.num_kv_heads * cfg.head_dim * size
 
-    def __init__(self, ctx: SpeculatorContext) -> None:
+    def __init__(self, ctx: SpeculatorContext[OptionsT]) -> None:
         folder, cfg = checkpoint(self.name, ctx)
+        self.options: OptionsT = ctx.options
         self.cfg = cfg
         self.capabilities = self.capabilities_for(ctx)  # type: ignore[misc]
         self.module = load_weights(self.Module(cfg, ctx.target, ctx.max_model_len + self.capabilities.max_k + 2),

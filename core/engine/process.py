@@ -84,7 +84,7 @@ def _probe(frames: list[Any]) -> tuple[str, int | None]:
         return "", None
 
 
-def _curve_client(sock: zmq.Socket, boot: CoreBootstrap) -> None:  # type: ignore[type-arg]
+def _curve_client(sock: zmq.Socket, boot: CoreBootstrap) -> None:
     sock.curve_serverkey = boot.server_key
     sock.curve_publickey = boot.public_key
     sock.curve_secretkey = boot.secret_key

@@ -18,7 +18,7 @@ import itertools
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -172,7 +172,7 @@ class AsyncEngine:
     async def chat(
         self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
         request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         async for out in self.generate(self.encode_chat(messages), params, request_id=request_id):
             yield out
 
@@ -182,7 +182,7 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Streams one RequestOutput per delta; a str prompt is tokenized as-is (no template)."""
         client = self._live_client()
         # Everything the core could not take fails here, typed, before anything is sent.
@@ -287,7 +287,7 @@ class AsyncEngine:
         """Engine-wide counters from the core (steps, tokens, KV blocks, speculative counters)."""
         self._live_client()
         call_id = next(self._call_ids)
-        event, box = anyio.Event(), []
+        event, box = anyio.Event(), list[UtilityResult]()
         self._calls[call_id] = (event, box)
         try:
             self._send(UtilityCall(call_id, "stats"))

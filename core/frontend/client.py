@@ -231,7 +231,7 @@ class ProcessClient(CoreClient):
         self.gave_up: str | None = None
         """Why this client declared a still-running core dead (hung, unreachable); it was killed."""
 
-    def _bind(self, kind: int, addr: str, secret: bytes) -> zmq.Socket:  # type: ignore[type-arg]
+    def _bind(self, kind: int, addr: str, secret: bytes) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.curve_server = True

@@ -6,6 +6,7 @@ The async engine runs on a private event loop thread (an anyio blocking portal).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import anyio
@@ -22,9 +23,10 @@ class Engine:
         self._portal_cm = start_blocking_portal()
         self._portal: BlockingPortal = self._portal_cm.__enter__()
         self._async = AsyncEngine(config, **overrides)
-        self._engine_cm = self._portal.wrap_async_context_manager(self._async)
+        cm = self._portal.wrap_async_context_manager(self._async)
+        self._engine_cm: AbstractContextManager[AsyncEngine] | None = cm
         try:
-            self._engine_cm.__enter__()
+            cm.__enter__()
         except BaseException:
             self._portal_cm.__exit__(None, None, None)
             raise

@@ -11,6 +11,8 @@ launch, and silu*up. Off by default, so the CPU path is the plain torch code.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,7 +30,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_ops.rms_norm_torch(x, self.weight, self.eps)
+        return cast(torch.Tensor, fused_ops.rms_norm_torch(x, self.weight, self.eps))  # no residual: one tensor
 
 
 class Attention(nn.Module):
@@ -97,6 +99,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    cos: torch.Tensor
+    sin: torch.Tensor
+    """Rotary tables [max_len, head_dim], float32 whatever the weights' dtype (buffers)."""
+    layers: nn.ModuleList
+
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -133,6 +140,7 @@ class LlamaModel(nn.Module):
         if self.triton_ops and len(self.layers):
             h, residual = x, None
             for i, layer in enumerate(self.layers):
+                assert isinstance(layer, DecoderLayer)
                 h, residual = layer.forward_fused(h, residual, cos, sin, kv_cache[i], meta)
                 if i in layers:
                     captured[i] = residual + h  # the stream after layer i, as x + mlp(...) below

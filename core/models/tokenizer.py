@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
+from jinja2 import Template
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Regex, decoders, models, pre_tokenizers
@@ -50,7 +51,7 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
         self.add_bos = add_bos
-        self._template = None
+        self._template: Template | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -127,7 +128,7 @@ class Tokenizer:
         eos = gen_cfg.get("eos_token_id", model_cfg.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         if not eos_ids and token_id("eos_token") is not None:
-            eos_ids = (token_id("eos_token"),)  # type: ignore[assignment]
+            eos_ids = (token_id("eos_token"),)
         bos = token_id("bos_token")
         return cls(tok, template, model_cfg.get("bos_token_id") if bos is None else bos, eos_ids,
                    bool(cfg.get("add_bos_token", False)))

@@ -44,7 +44,7 @@ def _kernels() -> SimpleNamespace:
     # that changes per step: a new batch size reuses the compiled kernels, no do_not_specialize.
     # An integer argument that varies per step (a row or token count) would need one.
     @triton.jit
-    def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, eps,
+    def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, eps,  # type: ignore[no-untyped-def]  # @triton.jit reads annotations itself
                         stride_x, stride_r, stride_o, stride_s,
                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
         row = tl.program_id(0)
@@ -62,7 +62,7 @@ def _kernels() -> SimpleNamespace:
         tl.store(out_ptr + row * stride_o + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
+    def rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,  # type: ignore[no-untyped-def]  # @triton.jit reads annotations itself
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
                     Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
@@ -91,7 +91,7 @@ def _kernels() -> SimpleNamespace:
             tl.store(out + HALF, (x2 * cos2 + x1 * sin2).to(dst.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
+    def silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # @triton.jit reads annotations itself
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < INTER

@@ -221,7 +221,8 @@ class TorchPagedAttention(PagedAttention):
 
     def plan(self, meta: AttentionMetadata, chunks: Sequence[Chunk], starts: np.ndarray, lens: np.ndarray,
              tables: np.ndarray) -> None:
-        short, long = [], []
+        short: list[tuple[int, int, int, np.ndarray]] = []
+        long: list[tuple[int, int, int, np.ndarray]] = []
         offset = 0
         for i, (start, n, block_ids) in enumerate(chunks):
             row = (offset, start, n, tables[i, : len(block_ids)])

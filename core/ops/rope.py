@@ -13,7 +13,7 @@ def inv_frequencies(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, float
     """Returns (inv_freq, attention_scale) in float64 for precision."""
     dim, base, rs = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
     exps = torch.arange(0, dim, 2, dtype=torch.float64) / dim
-    inv = 1.0 / (base**exps)
+    inv: torch.Tensor = 1.0 / (base**exps)
     orig = rs.original_max_position or cfg.max_position
     if rs.kind in ("default", "none"):
         return inv, 1.0
@@ -22,8 +22,8 @@ def inv_frequencies(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, float
     if rs.kind == "dynamic":
         # Static NTK: the base is stretched once for the longest context the engine will serve.
         if max_len > orig:
-            scaled = (rs.factor * max_len / orig) - (rs.factor - 1)
-            base = base * scaled ** (dim / (dim - 2))
+            stretch = (rs.factor * max_len / orig) - (rs.factor - 1)
+            base = base * stretch ** (dim / (dim - 2))
             inv = 1.0 / (base**exps)
         return inv, 1.0
     if rs.kind == "llama3":
@@ -39,7 +39,7 @@ def inv_frequencies(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, float
             return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
 
         low = max(math.floor(corr_dim(rs.beta_fast)), 0)
-        high = min(math.ceil(corr_dim(rs.beta_slow)), dim - 1)
+        high: float = min(math.ceil(corr_dim(rs.beta_slow)), dim - 1)
         if low == high:
             high += 0.001
         ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)

@@ -33,7 +33,7 @@ def _kernels() -> SimpleNamespace:
     import triton.language as tl
 
     @triton.jit
-    def write_kv_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr,
+    def write_kv_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr,  # type: ignore[no-untyped-def]  # @triton.jit reads annotations itself
                         stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_kvx, stride_kvs, stride_kvh,
                         KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -54,7 +54,7 @@ def _kernels() -> SimpleNamespace:
     # num_splits is the grid's split count, a runtime argument (not specialised on 1 or
     # multiples of 16), so the split count never multiplies compiled variants.
     @triton.jit(do_not_specialize=["num_splits"])
-    def paged_attention_kernel(
+    def paged_attention_kernel(  # type: ignore[no-untyped-def]  # @triton.jit reads annotations itself
         q_ptr, kv_ptr, out_ptr, bt_ptr, seq_lens_ptr, qstart_ptr, part_acc_ptr, part_ml_ptr, scale_log2,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kvx, stride_kvs, stride_kvh, stride_btr, stride_btc, num_splits,
@@ -173,7 +173,7 @@ def _kernels() -> SimpleNamespace:
             tl.store(part_ml_ptr + 2 * rows + 1, l_i)
 
     @triton.jit(do_not_specialize=["num_splits"])
-    def combine_kernel(out_ptr, seq_lens_ptr, qstart_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh,
+    def combine_kernel(out_ptr, seq_lens_ptr, qstart_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh,  # type: ignore[no-untyped-def]  # @triton.jit reads annotations itself
                        num_splits, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MIN_SPLIT: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                        MAX_SPLITS: tl.constexpr):

@@ -311,7 +311,7 @@ class ModelRunner:
         drafted = out.drafts is not None and not frame.skip_drafts
         host_drafts = drafted and frame.host_drafts
         copies = 0
-        if drafted and not frame.host_drafts and self.force_host_drafts:
+        if out.drafts is not None and drafted and not frame.host_drafts and self.force_host_drafts:
             out.drafts[:n].tolist()  # what a kernel that ignored the fixed width would pay
             copies = 1
         packed = out.packed[:n]

@@ -68,7 +68,7 @@ def _triton_kernel():  # type: ignore[no-untyped-def]
         import triton.language as tl
 
         @triton.jit(do_not_specialize=["R"])  # a new row count compiles nothing
-        def accept_kernel(draft_ptr, px_ptr, qx_ptr, u_ptr, final_ptr, out_ptr, nacc_ptr, R,
+        def accept_kernel(draft_ptr, px_ptr, qx_ptr, u_ptr, final_ptr, out_ptr, nacc_ptr, R,  # type: ignore[no-untyped-def]  # @triton.jit reads annotations itself
                           K: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
             # ROWS rows per program: a [ROWS, BLOCK] tile, one row per line.
             row_ids = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

@@ -31,8 +31,7 @@ from .bench.command import main as bench_main
 from .engine_args import EXIT_BAD_INPUT, Parser, config_from, engine_args, flag, params_from, sampling_args
 from .serve.command import add_arguments as add_serve_arguments
 from .serve.command import main as serve_main
-from .train.drafter import add_arguments as add_train_arguments
-from .train.drafter import train
+from .train.args import add_arguments as add_train_arguments
 
 EXIT_INTERRUPTED = 130
 
@@ -271,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return serve_main(args)
         if args.command == "train-drafter":
+            from .train.drafter import train  # training loads torch; every other command starts without it
+
             train(args)
             return 0
         return run_engine_command(args)

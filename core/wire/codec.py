@@ -35,7 +35,7 @@ class Encoder:
             arr = np.ascontiguousarray(obj).reshape(obj.shape)  # ascontiguousarray makes 0-d 1-d
             if arr.nbytes <= INLINE_MAX_BYTES:
                 return (arr.dtype.str, arr.shape, arr.tobytes())
-            self._aux.append(memoryview(arr.reshape(-1)).cast("B"))
+            self._aux.append(arr.reshape(-1).data.cast("B"))
             return (arr.dtype.str, arr.shape, len(self._aux))
         raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 

@@ -20,8 +20,9 @@ from speckernel.errors import InvalidInputError
 from speckernel.sampling_params import SamplingParams
 from speckernel.speculators.learned import use_fused_kernels
 from speckernel.tools.cli import build_parser
+from speckernel.tools.train.args import trainable
 from speckernel.tools.train.data import Sequences
-from speckernel.tools.train.drafter import train, trainable
+from speckernel.tools.train.drafter import train
 from tests.conftest import run_to_completion
 
 TARGET = "random:tiny,num_layers=6"

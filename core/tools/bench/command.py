@@ -21,7 +21,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, overload
 
 import anyio
 import msgspec
@@ -115,6 +115,10 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+@overload
+def ms(seconds: float) -> float: ...
+@overload
+def ms(seconds: None) -> None: ...
 def ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 

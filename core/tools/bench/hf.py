@@ -52,7 +52,7 @@ def load(model: str, dtype: torch.dtype, device: torch.device) -> Any:
                                                   local_files_only=True)
     else:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    return hf.to(device).eval()
+    return hf.to(device).eval()  # type: ignore[arg-type]  # transformers' stubs type .to as a decorator's wrapper
 
 
 def generation_config(peer: str, max_tokens: int, eos_ids: tuple[int, ...], k: int, device: torch.device) -> Any:
@@ -63,7 +63,7 @@ def generation_config(peer: str, max_tokens: int, eos_ids: tuple[int, ...], k: i
         compile_config = CompileConfig(fullgraph=True)
         if device.type != "cuda":
             # transformers compiles the decode step by itself on CUDA only; elsewhere it must be told.
-            compile_config._compile_all_devices = True
+            compile_config._compile_all_devices = True  # type: ignore[assignment]  # a private flag, typed None
         extra = {"cache_implementation": "static", "compile_config": compile_config}
     elif peer == "hf_prompt_lookup":
         extra = {"prompt_lookup_num_tokens": k}

@@ -23,8 +23,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ...attention import AttentionMetadata
+from ...frontend.async_engine import AsyncEngine
 from ...models.llama import LlamaModel
 from ...plugin import TargetModel, TrainBatch
+from ...sampling_params import SamplingParams
 
 
 @dataclass
@@ -94,9 +96,6 @@ def generate(config: Any, conversations: list[list[dict[str, str]]], max_tokens:
     sampled at `temperature` (more varied text; the labels stay the target's greedy tokens).
     With `seconds` (counted from when the engine is up), conversations not started by then are
     left out (answers under way finish), so a time-boxed run keeps what it made."""
-    from ...frontend.async_engine import AsyncEngine
-    from ...sampling_params import SamplingParams
-
     async def run() -> list[tuple[list[int], list[int]]]:
         pairs: list[tuple[list[int], list[int]]] = [([], []) for _ in conversations]
         async with AsyncEngine(config) as engine:

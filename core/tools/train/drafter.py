@@ -24,105 +24,25 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ... import registry
+import msgspec
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from ...config import EngineConfig
 from ...errors import InvalidInputError
-
-if TYPE_CHECKING:
-    import torch
-
-    from ...model_config import ModelConfig
-    from ...plugin import TrainableDrafter, TrainableSpeculator
-    from .data import Sequences, TargetFeatures
-
-
-@cache
-def trainable() -> dict[str, type[TrainableSpeculator]]:
-    """Every discovered speculator that `train-drafter` trains, by name in sorted order: its
-    capabilities say `trainable` and its class has the training protocol."""
-    from ...plugin import TrainableSpeculator  # the contract imports torch; building the CLI parser must not
-
-    found: dict[str, type[TrainableSpeculator]] = {}
-    for name in sorted(registry.discover("speculator")):
-        try:
-            cls = registry.load("speculator", name)
-        except Exception:  # a broken third-party plugin must not hide the others (`speckernel plugins` shows it)
-            continue
-        if cls.capabilities.trainable and issubclass(cls, TrainableSpeculator):
-            found[name] = cls
-    return found
-
-
-class TrainableNames:
-    """`--method`'s choices, read from the registry the first time argparse checks or lists
-    them: loading plugins imports torch, which building the parser for another command must not."""
-
-    def __contains__(self, name: object) -> bool:
-        return name in trainable()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(trainable())
-
-
-def add_arguments(sub: Any) -> None:
-    p = sub.add_parser("train-drafter", help="train a learned drafter (a trainable speculator)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--method", required=True, choices=TrainableNames(), action="append", metavar="METHOD",
-                   help="a trainable speculator (%(choices)s); repeatable: several methods train at once on the "
-                        "same batches, sharing one forward of the target per batch (--out and --init then hold a "
-                        "folder per method)")
-    p.add_argument("--target", default="smollm2-135m", help="built-in name, GGUF file or safetensors folder")
-    p.add_argument("--out", type=Path, default=None,
-                   help="output folder (default: drafters/METHOD; with several methods, drafters/ holding one "
-                        "folder per method)")
-    p.add_argument("--data", type=Path, action="append", default=None,
-                   help="token data (.npz, repeatable: concatenated); generated from the prompts when missing "
-                        "(default: OUT/../data.npz)")
-    p.add_argument("--shard", default="0/1", metavar="I/N",
-                   help="generate only every N-th prompt from the I-th (several GPUs, one process each)")
-    p.add_argument("--prompts", type=Path, action="append", default=None,
-                   help="JSON Lines of {\"messages\": [...]} (repeatable: concatenated; default: the built-in "
-                        "corpus)")
-    p.add_argument("--num-prompts", type=int, default=6000, help="prompts drawn from the built-in corpus")
-    p.add_argument("--max-tokens", type=int, default=256, help="answer length when generating data")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sample the answers (more varied data; labels stay the target's greedy tokens)")
-    p.add_argument("--generate-only", action="store_true", help="write the data and stop")
-    p.add_argument("--concurrency", type=int, default=256, help="answers generated at once")
-    p.add_argument("--kv-cache-gb", type=float, default=None,
-                   help="KV cache for generating data (default: sized from free memory; set it to run "
-                        "several generating processes on one GPU)")
-    p.add_argument("--steps", type=int, default=2000, help="optimizer steps in all (a resumed run continues)")
-    p.add_argument("--minutes", type=float, default=0.0,
-                   help="stop after this long and save (0: no limit); when generating data, prompts not "
-                        "started by then are left out")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence (longer ones are cut)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--save-every", type=int, default=200)
-    p.add_argument("--holdout", type=float, default=0.02,
-                   help="share of the prompts kept out of training (chosen by a hash of the prompt, so every "
-                        "answer to one prompt is on the same side) to measure the drafter on; 0: none")
-    p.add_argument("--eval-every", type=int, default=200,
-                   help="steps between measurements on the held-out prompts (val_* in train_log.json and "
-                        "loss.png), and one at the end")
-    p.add_argument("--eval-batches", type=int, default=4, help="batches per held-out measurement (fixed ones)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--platform", default=None, help="platform for generating data (default: best available)")
-    p.add_argument("--device", default=None, help="torch device for training (default: cuda if present)")
-    p.add_argument("--init", type=Path, default=None, metavar="DIR",
-                   help="start from this checkpoint's weights (e.g. a shipped drafter) instead of random ones; "
-                        "its architecture replaces the defaults (with several methods: a folder holding one "
-                        "checkpoint folder per method)")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a field of the drafter's default architecture (e.g. num_layers=1); with "
-                        "several --method, it applies to every one of them")
+from ...model_config import ModelConfig
+from ...models.checkpoint import read_config, resolve
+from ...models.loader import load_model
+from ...plugin import FitsVocabulary, TrainableDrafter, TrainableSpeculator
+from .args import trainable
+from .corpus import build_corpus, read_corpus
+from .data import Sequences, TargetFeatures, batches, generate, label_counts
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -138,10 +58,6 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 
 def load_data(args: argparse.Namespace, out: Path) -> Sequences:
-    import numpy as np
-
-    from .data import Sequences, generate
-
     paths = args.data or [out.parent / "data.npz"]
     if all(p.exists() for p in paths):
         data = Sequences.concat([Sequences.load(p) for p in paths])
@@ -151,9 +67,6 @@ def load_data(args: argparse.Namespace, out: Path) -> Sequences:
         raise InvalidInputError(f"--data: {', '.join(str(p) for p in paths if not p.exists())} missing; "
                                 "data is generated into one file")
     path = paths[0]
-    from ...config import EngineConfig
-    from .corpus import build_corpus, read_corpus
-
     conversations = [c for f in args.prompts for c in read_corpus(f)] if args.prompts \
         else build_corpus(args.num_prompts, seed=args.seed)
     index, _, count = args.shard.partition("/")
@@ -201,8 +114,6 @@ class MethodRun:
     step: int = 0
 
     def save_state(self) -> None:
-        import torch
-
         torch.save({"model": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
                     "log": self.log}, self.out / "state.tmp")
         (self.out / "state.tmp").replace(self.out / "state.pt")
@@ -213,8 +124,6 @@ def evaluate(runs: list[MethodRun], features: TargetFeatures, held: list[tuple[t
     """Each run's loss and figures on the fixed held-out batches, added to its last log entry as
     val_*. Seeded per batch (the same anchors every time, alone or beside other methods), inside a
     forked RNG, so measuring changes nothing that training draws next."""
-    import torch
-
     sums: dict[str, dict[str, float]] = {r.method: {} for r in runs}
     for r in runs:
         r.drafter.eval()
@@ -245,12 +154,6 @@ def method_folders(args: argparse.Namespace) -> dict[str, tuple[Path, Path | Non
 def start_method(args: argparse.Namespace, method: str, out: Path, init: Path | None, target_cfg: ModelConfig,
                  data: Sequences, device: torch.device) -> MethodRun:
     """A method's drafter: new (seeded), from --init, or resumed from its folder's state.pt."""
-    import msgspec
-    import torch
-
-    from ...plugin import FitsVocabulary  # the contract imports torch, which the CLI parser's process must not
-    from .data import label_counts
-
     cls = trainable()[method]
     overrides = parse_overrides(args.set)
     if init is not None:
@@ -259,8 +162,6 @@ def start_method(args: argparse.Namespace, method: str, out: Path, init: Path | 
     torch.manual_seed(args.seed)  # the same drafter whether it trains alone or beside others
     drafter = cls.new_drafter(target_cfg, args.seq_len + 32, **overrides).to(device)
     if init is not None:
-        from safetensors.torch import load_file
-
         drafter.load_state_dict(load_file(str(init / "model.safetensors"), device=str(device)))
     elif isinstance(drafter, FitsVocabulary):
         drafter.fit_vocab(label_counts(data, target_cfg.vocab_size))
@@ -279,15 +180,6 @@ def start_method(args: argparse.Namespace, method: str, out: Path, init: Path | 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Trains every --method on the same batches, one forward of the target per batch for all of
     them. Returns the summary of the one method, or {"methods": {method: summary}} for several."""
-    import msgspec
-    import numpy as np
-    import torch
-    from tqdm import tqdm
-
-    from ...models.checkpoint import read_config, resolve
-    from ...models.loader import load_model
-    from .data import TargetFeatures, batches
-
     if args.minutes < 0:
         raise InvalidInputError(f"--minutes: expected >= 0, got {args.minutes}")
     if not 0 <= args.holdout < 1:
@@ -389,15 +281,13 @@ def plot_loss(log: list[dict[str, float]], path: Path, title: str) -> None:
     if not log:
         return
     try:
-        import matplotlib
+        import matplotlib  # optional: the `bench` extra
     except ImportError:
         print("train-drafter: matplotlib not installed, no loss.png (pip install 'speckernel[bench]')",
               file=sys.stderr)
         return
-    import numpy as np
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use(): the backend is chosen at import
 
     steps = [e["step"] for e in log]
     fig, ax = plt.subplots(figsize=(6, 4))
