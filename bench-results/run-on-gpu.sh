@@ -41,8 +41,8 @@ case " ${PARTS:-checks} " in *" checks "*) {
   timeout 120 python3 -m speckernel.tools.cli generate --raw --prompt "The three primary colors are" --max-tokens 48 \
     --temperature 0 --json --platform cuda
   echo "== GPU-side tests (Triton kernels for real, graphs vs eager, no host sync, sampling, verification)"
-  timeout 420 python3 -m pytest -q tests/test_gpu_fast_path.py tests/test_step_graphs.py \
-    tests/test_platform_contract.py tests/test_triton_kernels.py tests/test_sampler.py tests/test_verify.py \
+  timeout 420 python3 -m pytest -q tests/runner/test_gpu_fast_path.py tests/runner/test_step_graphs.py \
+    tests/platforms/test_platform_contract.py tests/ops/test_triton_kernels.py tests/runner/test_sampler.py tests/runner/test_verify.py \
     -p no:cacheprovider 2>&1 | tail -40
 } > "$work/cuda_checks.txt" 2>&1
 timings+=("cuda_checks $(( SECONDS - started ))")
