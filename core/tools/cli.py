@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import stat
 import sys
 import time
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
 
 import anyio
 import msgspec
@@ -28,7 +25,7 @@ from ..models.checkpoint import load_tokenizer
 from ..registry import describe
 from .bench.args import add_arguments as add_bench_arguments
 from .bench.command import main as bench_main
-from .engine_args import EXIT_BAD_INPUT, Parser, config_from, engine_args, flag, params_from, sampling_args
+from .engine_args import EXIT_BAD_INPUT, Parser, config_from, engine_args, flag, params_from, sampling_args, utf8
 from .serve.command import add_arguments as add_serve_arguments
 from .serve.command import main as serve_main
 from .train.args import add_arguments as add_train_arguments
@@ -48,10 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     engine_args(gen)
     sampling_args(gen, 256)
-    chat = sub.add_parser("chat", help="interactive chat (empty line or Ctrl-D ends it)")
-    chat.add_argument("--system", default=None, help="system prompt (default: the model's default)")
-    engine_args(chat)
-    sampling_args(chat, 512)
+    chat_parser = sub.add_parser("chat", help="interactive chat: line editing, Ctrl-C stops a reply, /help lists "
+                                              "the commands (an empty line or Ctrl-D ends it)")
+    chat_parser.add_argument("--system", default=None, help="system prompt (default: the model's default)")
+    engine_args(chat_parser)
+    sampling_args(chat_parser, 512)
     plugins = sub.add_parser("plugins", help="list discovered speculators, platforms and transports")
     plugins.add_argument("--json", action="store_true", help="print one JSON object")
     add_bench_arguments(sub)
@@ -78,14 +76,6 @@ def read_prompt(args: argparse.Namespace) -> str:
     if not text.strip():
         raise InvalidInputError("the prompt is empty")
     return text
-
-
-def utf8(data: bytes, what: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InvalidInputError(f"{what} is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})") \
-            from None
 
 
 def check_prompt_fits(text: str, messages: list[dict[str, str]] | None, path: Path, limit: int) -> None:
@@ -147,91 +137,6 @@ async def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-class StdinLines:
-    """Lines typed at the chat prompt, read in the event loop (no thread): Ctrl-C at an idle
-    prompt ends the process at once, where a thread blocked in input() would hold its exit."""
-
-    def __init__(self) -> None:
-        self.fd = sys.stdin.fileno()
-        self.pending = b""
-        self.eof = False
-        self.regular_file = stat.S_ISREG(os.fstat(self.fd).st_mode)  # never "not ready": no wait
-
-    async def read(self, prompt: str) -> bytes | None:
-        """The next line without its newline, None at the end of input."""
-        sys.stdout.write(prompt)
-        sys.stdout.flush()
-        while b"\n" not in self.pending and not self.eof:
-            if not self.regular_file:
-                await anyio.wait_readable(self.fd)
-            chunk = os.read(self.fd, 1 << 16)
-            self.eof = not chunk
-            self.pending += chunk
-        if not self.pending:
-            return None
-        line, _, self.pending = self.pending.partition(b"\n")
-        return line.rstrip(b"\r")
-
-
-def fit_history(messages: list[dict[str, str]], count: Any, limit: int) -> int:
-    """Drops the oldest turns (a system prompt stays) until count(messages) < limit; the number
-    of messages dropped. The newest message always stays: if it alone is too long, the caller's
-    count check raises."""
-    first = 1 if messages and messages[0]["role"] == "system" else 0
-    dropped = 0
-    while len(messages) - first > 1 and count(messages) >= limit:
-        del messages[first]
-        dropped += 1
-        while len(messages) - first > 1 and messages[first]["role"] != "user":
-            del messages[first]  # a turn starts with the user's message
-            dropped += 1
-    return dropped
-
-
-async def cmd_chat(args: argparse.Namespace) -> int:
-    params = args.params
-    messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    async with AsyncEngine(args.config) as engine:
-        # Room kept for the reply: the history is trimmed to leave it.
-        reserve = max(1, min(params.max_tokens, engine.info.max_model_len // 4))
-        limit = engine.info.max_model_len - reserve
-
-        def count(history: list[dict[str, str]]) -> int:
-            return len(engine.encode_chat(history))
-
-        print("speckernel chat: an empty line or Ctrl-D ends it.", file=sys.stderr)
-        stdin = StdinLines()
-        while True:
-            data = await stdin.read("> ")
-            if data is None or not data.strip():
-                break
-            try:
-                line = utf8(data, "the message")
-            except InvalidInputError as e:
-                print(f"speckernel: error: {e}", file=sys.stderr)
-                continue
-            messages.append({"role": "user", "content": line})
-            dropped = fit_history(messages, count, limit)
-            if dropped:
-                print(f"speckernel chat: dropped the {dropped} oldest message(s) to fit the "
-                      f"{engine.info.max_model_len}-token context", file=sys.stderr)
-            reply = ""
-            try:
-                async for out in engine.chat(messages, params):
-                    sys.stdout.write(out.delta_text)
-                    sys.stdout.flush()
-                    reply = out.text
-            except PromptTooLongError as e:
-                messages.pop()
-                print(f"speckernel: error: this message alone is too long: {e}", file=sys.stderr)
-                continue
-            sys.stdout.write("\n")
-            messages.append({"role": "assistant", "content": reply})
-    return 0
-
-
 def cmd_plugins(args: argparse.Namespace) -> int:
     found = describe()
     if args.json:
@@ -256,7 +161,9 @@ def run_engine_command(args: argparse.Namespace) -> int:
         messages = None if args.raw else [{"role": "user", "content": args.prompt_text}]
         check_prompt_fits(args.prompt_text, messages, checked.path, checked.max_model_len)
         return anyio.run(cmd_generate, args)
-    return anyio.run(cmd_chat, args)
+    from . import chat  # prompt_toolkit loads for `chat` alone
+
+    return anyio.run(chat.run, args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,3 +103,11 @@ def parse_options(items: list[str]) -> dict[str, str]:
 def params_from(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, seed=args.seed, stop=tuple(args.stop)).validate()
+
+
+def utf8(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidInputError(f"{what} is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})") \
+            from None

@@ -15,7 +15,7 @@ import pytest
 
 from speckernel.config import CONTEXT_CAP, DTYPE_NAMES, EngineConfig
 from speckernel.engine.check import context_limit
-from speckernel.tools import cli
+from speckernel.tools import chat, cli
 from tests.conftest import default_sigint
 
 
@@ -179,12 +179,12 @@ def test_chat_history_drops_oldest_turns_and_keeps_the_system_prompt() -> None:
 
     system = {"role": "system", "content": "be brief"}
     messages = [system, *turn(1), *turn(2), *turn(3), {"role": "user", "content": "u4"}]
-    assert cli.fit_history(messages, count, 45) == 4
+    assert chat.fit_history(messages, count, 45) == 4
     assert messages == [system, *turn(3), {"role": "user", "content": "u4"}]
-    assert cli.fit_history(messages, count, 100) == 0
+    assert chat.fit_history(messages, count, 100) == 0
     # without a system prompt, whole turns go; the newest message always stays
     messages = [*turn(1), {"role": "user", "content": "u2"}]
-    assert cli.fit_history(messages, count, 5) == 2 and messages == [{"role": "user", "content": "u2"}]
+    assert chat.fit_history(messages, count, 5) == 2 and messages == [{"role": "user", "content": "u2"}]
 
 
 # --- the real model: Ctrl-C and a chat longer than the context --------------------------------
