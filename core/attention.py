@@ -115,6 +115,12 @@ class AttentionBackend(Protocol):
         skipped. Reads only device tensors (a drafter's pass inside a captured step)."""
         ...
 
+    def warm_up(self, kv: torch.Tensor, num_heads: int) -> int:
+        """Builds every kernel variant a step can launch on this cache (one layer's) for queries of
+        `num_heads` heads, so none is built while serving; returns the launches made (0 where the
+        backend's kernels need no building)."""
+        ...
+
     def attend(self, q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                scale: float) -> torch.Tensor:
         """Each query q[n] [N, heads, head_dim] attends to the first seq_lens[n] positions of the

@@ -33,10 +33,11 @@ from ..kernel.spec_policy import lookahead_slots, spec_policy
 from ..models.checkpoint import read_config
 from ..models.loader import load_model
 from ..models.paged import kv_bytes_per_block
+from ..ops.jit_watch import WATCH as JIT_WATCH
 from ..platform import parse_dtype
 from ..plugin import Speculator, SpeculatorCapabilities, SpeculatorContext
 from ..runner.model_runner import ModelRunner, PendingStep
-from ..runner.step_graphs import StepGraphs, prefill_buckets
+from ..runner.step_graphs import StepGraphs, prefill_buckets, warm_eager
 from ..wire.messages import (
     AbortRequests,
     AddRequest,
@@ -79,6 +80,9 @@ class EngineCore:
         self.platform = registry.pick_platform(config.platform)
         self.dtype = parse_dtype(config.dtype) if config.dtype else self.platform.default_dtype()
         self.model_cfg = read_config(checked.path)
+        self.kernel_builds_at_ready = 0
+        if self.platform.capabilities.triton and JIT_WATCH.install():
+            JIT_WATCH.sealed = False  # this engine's start-up builds are expected
         # What the speculator can serve for this target and platform fails here, before any weight is read.
         spec = self._check_speculator(checked)
         k = config.num_speculative_tokens if spec is not None else 0
@@ -106,6 +110,7 @@ class EngineCore:
         if self.platform.capabilities.triton:
             model.use_triton_ops(True)
         self.runner.graphs = self._capture_graphs(caps, k)
+        self._warm_kernels(k)
         self.scheduler = Scheduler(BlockManager(kv.num_blocks, config.block_size),
                                    config.max_num_seqs, config.max_num_batched_tokens, policy,
                                    async_scheduling=config.async_scheduling)
@@ -179,6 +184,21 @@ class EngineCore:
             return None
         return graphs
 
+    def _warm_kernels(self, k: int) -> None:
+        """Builds every Triton kernel variant an eager step can launch (the graphs built theirs),
+        then seals the watch: a variant built later is a stall while serving, counted in the
+        stats and logged."""
+        if not self.platform.capabilities.triton:
+            return
+        started = time.monotonic()
+        launches = self.runner.attention.warm_up(self.runner.kv_cache[0], self.model_cfg.num_heads)
+        steps = warm_eager(self.runner, range(k + 1))  # an eager step verifies as many drafts as its rows hold
+        self.platform.synchronize()
+        JIT_WATCH.seal()
+        self.kernel_builds_at_ready = JIT_WATCH.num_compiles
+        self.log.info("kernels_warm", attention_variants=launches, eager_steps=steps,
+                      kernel_builds=self.kernel_builds_at_ready, seconds=round(time.monotonic() - started, 2))
+
     def ready_message(self) -> CoreReady:
         return CoreReady(platform=self.platform.name, dtype=str(self.dtype).removeprefix("torch."),
                          max_model_len=self.max_model_len,
@@ -236,6 +256,7 @@ class EngineCore:
             "num_stale_rows": self.ledger.num_stale_rows,
             "num_async_rows": self.ledger.num_async_rows,
             "num_graph_steps": self.runner.graphs.num_replays if self.runner.graphs is not None else 0,
+            "num_kernel_builds_after_warmup": JIT_WATCH.num_compiles - self.kernel_builds_at_ready,
             "kv_blocks_total": blocks.num_blocks,
             "kv_blocks_free": blocks.num_free,
             "uptime_s": time.monotonic() - self.started,

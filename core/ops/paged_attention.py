@@ -198,6 +198,10 @@ class PagedAttention:
         kv[0][slot_mapping[keep]] = k[keep].to(kv.dtype)
         kv[1][slot_mapping[keep]] = v[keep].to(kv.dtype)
 
+    def warm_up(self, kv: torch.Tensor, num_heads: int) -> int:
+        """torch's kernels need no building."""
+        return 0
+
     def attend(self, q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                scale: float) -> torch.Tensor:
         _n, width = block_tables.shape
@@ -270,6 +274,11 @@ class TritonPagedAttention(PagedAttention):
         from .triton_attention import write_kv  # triton is optional (Linux x86-64)
 
         write_kv(k, v, kv, slot_mapping.contiguous())
+
+    def warm_up(self, kv: torch.Tensor, num_heads: int) -> int:
+        from .triton_attention import warm_up  # triton is optional (Linux x86-64)
+
+        return warm_up(kv, num_heads, self.block_size)
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                scale: float) -> torch.Tensor:

@@ -53,7 +53,10 @@ def _kernels() -> SimpleNamespace:
 
     # num_splits is the grid's split count, a runtime argument (not specialised on 1 or
     # multiples of 16), so the split count never multiplies compiled variants.
-    @triton.jit(do_not_specialize=["num_splits"])
+    # The block-table width moves with the context where a backend does not fix it (a
+    # speculator's own attention): specialized on it, each multiple of 16 would build a variant
+    # mid-serving.
+    @triton.jit(do_not_specialize=["num_splits", "stride_btr"])
     def paged_attention_kernel(  # type: ignore[no-untyped-def]  # @triton.jit reads annotations itself
         q_ptr, kv_ptr, out_ptr, bt_ptr, seq_lens_ptr, qstart_ptr, part_acc_ptr, part_ml_ptr, scale_log2,
         stride_qt, stride_qh, stride_ot, stride_oh,
@@ -346,3 +349,31 @@ def paged_attention(
             BLOCK_D=block_d, MAX_SPLITS=MAX_SPLITS, num_warps=4,
         )
     return out
+
+
+def warm_up(kv: torch.Tensor, num_heads: int, block_size: int) -> int:
+    """Builds every variant of the attention kernels a step can launch with this cache: one per
+    tile configuration a query length leads to (`_config`), with and without KV splits where the
+    device splits. Steps the device graphs capture build theirs anyway; eager steps (several
+    prompts, a chunk beside decode rows) would otherwise build the rest while serving, each a
+    stall of up to a second for every request in flight. Returns the launches made."""
+    kvh, d = kv.shape[2], kv.shape[3]
+    group = num_heads // kvh
+    seen: set[tuple[int, int, int, int]] = set()
+    query_lens = []
+    for n in range(1, 4 * SHORT_ROWS + 1):  # up to past the long-query tiles
+        config = _config(n * group)
+        if config not in seen:
+            seen.add(config)
+            query_lens.append(n)
+    splits = (1, 2) if kv.device.type == "cuda" else (1,)
+    launches = 0
+    for n in query_lens:
+        q = torch.zeros((n, num_heads, d), dtype=kv.dtype, device=kv.device)
+        tables = torch.zeros((1, -(-n // block_size)), dtype=torch.int64, device=kv.device)
+        seq_lens = torch.tensor([n], dtype=torch.int64, device=kv.device)
+        query_start = torch.tensor([0, n], dtype=torch.int64, device=kv.device)
+        for s in splits if n * group <= SHORT_ROWS else (1,):
+            paged_attention(q, kv, tables, seq_lens, query_start, n, 1.0, block_size, num_kv_splits=s)
+            launches += 1
+    return launches

@@ -51,6 +51,20 @@ def row_buckets(max_rows: int) -> list[int]:
     return sorted({min(s, max_rows) for s in sizes})
 
 
+@torch.inference_mode()
+def warm_eager(runner: StepDevice, verify_widths: Iterable[int]) -> int:
+    """Two-row eager steps of every sampling kind, plain and verifying: what an eager step
+    launches beyond the attention variants (the backend's own warm-up) is built here, at start,
+    not by the first request that needs it. Returns the steps run."""
+    steps = 0
+    for width in sorted(set(verify_widths)):
+        for greedy, filt in SAMPLING_KINDS:
+            shape = StepGraphs._shape(2, width, greedy, filt)
+            runner.device_step(runner.plan(StepFrame(-1, []), shape), shape)
+            steps += 1
+    return steps
+
+
 class StepGraphs:
     def __init__(self, runner: StepDevice, platform: Platform, max_rows: int, verify_widths: Iterable[int],
                  propose_widths: Iterable[int] = (0,), prefill_tokens: Iterable[int] = ()) -> None:

@@ -108,10 +108,13 @@ def test_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     runs = report["runs"]
     assert [(r["speculator"], r["concurrency"]) for r in runs] == [("none", 1), ("none", 2), ("ngram", 1),
                                                                     ("ngram", 2)]
+    assert [r["num_requests"] for r in runs] == [2, 8, 2, 8]  # concurrency C > 1 runs at least 4 x C requests
     for r in runs:
-        assert set(r) >= STREAM_KEYS | {"ratio_to_none", "identical_to_none", "ratio_to_peers"}
-        assert r["identical_to_none"] == 2  # greedy float32: speculation changes no token
-        assert r["spec"]["num_k0_steps"] >= 0 and r["generated_tokens"] == 8
+        assert set(r) >= STREAM_KEYS | {"ratio_to_none", "identical_to_none", "ratio_to_peers", "ratio_to_vllm",
+                                        "ttft_p99_ms", "longest_stall_ms"}
+        assert r["identical_to_none"] == r["num_requests"]  # greedy float32: speculation changes no token
+        assert r["spec"]["num_k0_steps"] >= 0 and r["generated_tokens"] == 4 * r["num_requests"]
+        assert r["longest_stall_ms"] >= 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"]
     assert runs[2]["spec"]["mean_acceptance_length"] >= 1.0 and runs[0]["spec"]["mean_acceptance_length"] is None
     assert [row.split(" | ")[1:3] for row in rows] == [["none", "1"], ["none", "2"], ["ngram", "1"], ["ngram", "2"]]
 

@@ -77,10 +77,12 @@ def decode_arguments(p: argparse.ArgumentParser) -> None:
     speculator_flags(p, "repeatable; default: ngram")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer")
     p.add_argument("--num-prompts", type=int, default=10,
-                   help="prompts at batch 1; concurrency C runs max(C, this) prompts")
+                   help="prompts at batch 1; concurrency C runs max(4 x C, this) prompts")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64],
                    help="comma-separated; 1 is batch 1 (default: 1,4,16,64)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peers")
+    p.add_argument("--no-vllm", action="store_true",
+                   help="skip the vLLM peers (they run where vllm is importable, on a GPU)")
     p.add_argument("--modes", type=mode_list, default=None,
                    help="engine-core placements to measure, e.g. inprocess,process (default: inprocess, "
                         "or process with --process)")

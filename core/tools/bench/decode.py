@@ -3,9 +3,13 @@ speculator, at batch 1 (concurrency 1: one request after another over --num-prom
 and at each concurrency C (C streams at once over max(C, --num-prompts) prompts). Per run:
 tokens/s, time per output token (per request: (last token - first token) / (n - 1)) at p50 and
 p99, time to first token p50, mean acceptance length, target steps/s and the ratio to no
-speculation. With transformers importable, the HF peers (see bench_hf.py) run the batch-1
-prompts on the same weights; each engine run at batch 1 gets its ratio to each peer, and the
-table says how many HF outputs equal the engine's token for token.
+speculation, time to first token p99 and the longest stall (the longest gap between two streamed
+outputs of one request). Concurrency C > 1 runs at least 4 x C requests, so that one slow
+request does not decide the figure. With transformers importable, the HF peers (hf.py) run the
+batch-1 prompts on the same weights; each engine run at batch 1 gets its ratio to each peer, and
+the table says how many HF outputs equal the engine's token for token. With vLLM importable, the
+vLLM peers (vllm_peer.py: no speculation and ngram) run the same prompt ids at every
+concurrency, and every engine run gets its ratio to both at its concurrency.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from ...frontend.async_engine import AsyncEngine
 from ...platform import parse_dtype
 from ...sampling_params import SamplingParams
 from . import hf as bench_hf
+from . import vllm_peer
 from .command import (
     MISSING,
     base_config,
@@ -40,7 +45,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     modes = args.modes or (["process"] if args.process else ["inprocess"])
     speculators = args.speculator or ["ngram"]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    sizes = {c: args.num_prompts if c == 1 else max(c, args.num_prompts) for c in args.concurrency}
+    sizes = {c: args.num_prompts if c == 1 else max(4 * c, args.num_prompts) for c in args.concurrency}
     print(f"bench decode: {len(modes) * (1 + len(speculators))} engines x concurrency {args.concurrency}: "
           f"{len(modes) * (1 + len(speculators)) * sum(sizes.values())} requests of up to {args.max_tokens} tokens"
           + ("" if args.no_hf else f"; HF peers: {len(bench_hf.PEERS)} x {args.num_prompts} requests"),
@@ -71,7 +76,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         device = registry.pick_platform(info.platform).device
         peers = bench_hf.run_peers(args.model, prompts[: args.num_prompts], args.max_tokens, eos_ids,
                                    args.num_speculative_tokens, parse_dtype(info.dtype), device)
-    compare(runs, peers, modes)
+    vllm: dict[str, dict[str, Any]] = {}
+    if args.no_vllm or info.platform == "cpu":
+        pass
+    elif not vllm_peer.available():
+        print("bench decode: vllm not installed, no vLLM peers", file=sys.stderr)
+    else:
+        vllm = vllm_peer.run_peers(args.model, info.dtype, prompts, sizes, args.max_tokens,
+                                   args.num_speculative_tokens, args.max_num_seqs, info.max_model_len)
+    compare(runs, peers, modes, vllm)
     return header("decode") | {
         "platform": info.platform,
         "dtype": info.dtype,
@@ -84,12 +97,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "modes": modes,
         "runs": runs,
         "peers": peers,
+        "vllm": vllm,
     }
 
 
-def compare(runs: list[dict[str, Any]], peers: dict[str, dict[str, Any]], modes: list[str]) -> None:
+def compare(runs: list[dict[str, Any]], peers: dict[str, dict[str, Any]], modes: list[str],
+            vllm: dict[str, dict[str, Any]] | None = None) -> None:
     """Adds the ratios and output checks to each run and peer, then drops the outputs."""
     by_key = {(r["mode"], r["speculator"], r["concurrency"]): r for r in runs}
+    vllm_runs = {(name, v["concurrency"]): v for name, peer in (vllm or {}).items() for v in peer.get("runs", [])}
     for r in runs:
         none = by_key[(r["mode"], "none", r["concurrency"])]
         r["ratio_to_none"] = ratio(r["tokens_per_s"], none["tokens_per_s"])
@@ -98,10 +114,15 @@ def compare(runs: list[dict[str, Any]], peers: dict[str, dict[str, Any]], modes:
         r["ratio_to_inprocess"] = ratio(r["tokens_per_s"], inproc["tokens_per_s"]) if inproc else None
         r["ratio_to_peers"] = {p: ratio(r["tokens_per_s"], peer["tokens_per_s"]) for p, peer in peers.items()
                                if r["concurrency"] == 1}
+        r["ratio_to_vllm"] = {name: ratio(r["tokens_per_s"], v["tokens_per_s"])
+                              for (name, c), v in vllm_runs.items() if c == r["concurrency"]}
+    for (_, c), v in vllm_runs.items():
+        engine = by_key.get((modes[0], "none", c))
+        v["identical_to_engine"] = identical(v["outputs"], engine["outputs"]) if engine else None
     reference = by_key.get((modes[0], "none", 1))
     for peer in peers.values():
         peer["identical_to_engine"] = identical(peer["outputs"], reference["outputs"]) if reference else None
-    for item in [*runs, *peers.values()]:
+    for item in [*runs, *peers.values(), *vllm_runs.values()]:
         item.pop("outputs")
 
 
@@ -115,21 +136,46 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "",
     ]
     peer_names = list(report["peers"]) or list(bench_hf.PEERS)
+    vllm_names = [n for n, p in report.get("vllm", {}).items() if p.get("runs")]
     lines += [
         "| mode | speculator | concurrency | requests | tokens | tokens/s | TPOT p50 ms | TPOT p99 ms | "
-        "TTFT p50 ms | mean acceptance length | target steps/s | ratio to none | identical to none | "
-        "ratio to in-process | " + " | ".join(f"vs {p}" for p in peer_names) + " |",
-        "|---" * (14 + len(peer_names)) + "|",
+        "TTFT p50 ms | TTFT p99 ms | longest stall ms | kernel builds after start | mean acceptance length | "
+        "target steps/s | ratio to none | identical to none | ratio to in-process | "
+        + " | ".join(f"vs {p}" for p in [*peer_names, *vllm_names]) + " |",
+        "|---" * (17 + len(peer_names) + len(vllm_names)) + "|",
     ]
     for r in report["runs"]:
         vs = [cell(r["ratio_to_peers"].get(p)) for p in peer_names]
+        vs += [cell(r.get("ratio_to_vllm", {}).get(p)) for p in vllm_names]
         lines.append(
             f"| {r['mode']} | {r['speculator']} | {r['concurrency']} | {r['num_requests']} | "
             f"{r['generated_tokens']} | {r['tokens_per_s']:.1f} | {cell(r['tpot_p50_ms'])} | "
-            f"{cell(r['tpot_p99_ms'])} | {cell(r['ttft_p50_ms'], '.1f')} | "
+            f"{cell(r['tpot_p99_ms'])} | {cell(r['ttft_p50_ms'], '.1f')} | {cell(r.get('ttft_p99_ms'), '.1f')} | "
+            f"{cell(r.get('longest_stall_ms'), '.1f')} | {r.get('kernel_builds_after_start', MISSING)} | "
             f"{cell(r['spec']['mean_acceptance_length'])} | {r['steps_per_s']:.1f} | {cell(r['ratio_to_none'])} | "
             f"{r['identical_to_none']}/{r['num_requests']} | {cell(r['ratio_to_inprocess'])} | "
             + " | ".join(vs) + " |")
+    for name, peer in report.get("vllm", {}).items():
+        if not peer.get("runs"):
+            lines += ["", f"vLLM peer {name}: {peer.get('error', 'no runs')}"]
+            continue
+        lines += [
+            "",
+            f"vLLM {peer.get('version', '?')} peer {name} (same prompt token ids, greedy, CUDA graphs, its defaults"
+            + (f", ngram K={peer['speculative_config']['num_speculative_tokens']}" if peer.get("speculative_config")
+               else "") + f"; start-up {peer['start_s']:.1f} s, not in tokens/s):",
+            "",
+            "| concurrency | requests | tokens | tokens/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | TTFT p99 ms | "
+            "longest stall ms | identical to engine (none) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for v in peer["runs"]:
+            same = (MISSING if v.get("identical_to_engine") is None
+                    else f"{v['identical_to_engine']}/{v['num_requests']}")
+            lines.append(
+                f"| {v['concurrency']} | {v['num_requests']} | {v['generated_tokens']} | {v['tokens_per_s']:.1f} | "
+                f"{cell(v['tpot_p50_ms'])} | {cell(v['tpot_p99_ms'])} | {cell(v['ttft_p50_ms'], '.1f')} | "
+                f"{cell(v['ttft_p99_ms'], '.1f')} | {cell(v['longest_stall_ms'], '.1f')} | {same} |")
     if report["peers"]:
         lines += [
             "",
@@ -159,6 +205,12 @@ def plot(report: dict[str, Any], plt: Any) -> Any:
         xs = [r["concurrency"] for r in rows]
         tps.plot(xs, [r["tokens_per_s"] for r in rows], marker="o", label=label)
         tpot.plot(xs, [r["tpot_p50_ms"] or 0.0 for r in rows], marker="o", label=label)
+    for name, peer in report.get("vllm", {}).items():
+        if peer.get("runs"):
+            tps.plot([v["concurrency"] for v in peer["runs"]], [v["tokens_per_s"] for v in peer["runs"]],
+                     marker="s", linestyle="--", label=name)
+            tpot.plot([v["concurrency"] for v in peer["runs"]], [v["tpot_p50_ms"] or 0.0 for v in peer["runs"]],
+                      marker="s", linestyle="--", label=name)
     for name, p in report["peers"].items():
         tps.scatter([1], [p["tokens_per_s"]], marker="x", label=name)
         tpot.scatter([1], [p["tpot_p50_ms"] or 0.0], marker="x", label=name)

@@ -62,14 +62,19 @@ async def run_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sam
     tpot: list[float] = []
     spans: list[tuple[float, float]] = []
     requests: list[list[float]] = []
+    longest_gap = 0.0
     pending = iter(range(len(prompts)))
     bar = tqdm(total=len(prompts), desc=desc, unit="req", file=sys.stderr, disable=None)
 
     async def worker() -> None:
+        nonlocal longest_gap
         for i in pending:  # one iterator shared by the workers: each prompt runs once
-            out = None
+            out, seen = None, None
             async for out in engine.generate(prompts[i], params):  # noqa: B007 - the last output is kept
-                pass
+                now = time.monotonic()
+                if seen is not None:
+                    longest_gap = max(longest_gap, now - seen)
+                seen = now
             assert out is not None and out.timing is not None
             outputs[i] = out.token_ids
             t = out.timing
@@ -105,10 +110,14 @@ async def run_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sam
         "tpot_p50_ms": ms(percentile(tpot, 50)),
         "tpot_p99_ms": ms(percentile(tpot, 99)),
         "ttft_p50_ms": ms(percentile(ttft, 50)),
+        "ttft_p99_ms": ms(percentile(ttft, 99)),
         "ttft_max_ms": ms(max(ttft, default=None)),
+        "longest_stall_ms": ms(longest_gap),
         "num_steps": steps,
         "steps_per_s": steps / elapsed,
         "num_graph_steps": after.get("num_graph_steps", 0) - before.get("num_graph_steps", 0),
+        # Since the engine was ready, warm-up requests included: Triton builds while serving.
+        "kernel_builds_after_start": after.get("num_kernel_builds_after_warmup", 0),
         "spec": spec_delta(before["spec"], after["spec"]),
         "outputs": outputs,
         "requests": requests,  # per request, in finishing order: TTFT ms, time in flight ms, tokens
