@@ -93,7 +93,7 @@ def run_to_completion(core, prompts: list[list[int]], params, prefix: str = "r")
     for i, ids in enumerate(prompts):
         outputs[base + i] = []
         assert core.add_request(AddRequest(base + i, np.asarray(ids), params, f"{prefix}{i}")) is None
-    while core.scheduler.requests:
+    while core.scheduler.requests or core.compiling:  # structured requests wait for their grammar first
         for delta in core.step():
             outputs[delta.key].extend(delta.new_token_ids)
     return [outputs[base + i] for i in range(len(prompts))]

@@ -24,13 +24,14 @@ from ..config import EngineConfig
 from ..errors import InvalidInputError, PromptTooLongError
 from ..kernel.block_manager import BlockManager
 from ..kernel.frame import StepFrame, StepResult
+from ..kernel.grammars import Grammars
 from ..kernel.kv_plan import KvPlan, plan_kv_cache
 from ..kernel.ledger import Ledger
 from ..kernel.request import Request
 from ..kernel.scheduler import Scheduler
 from ..kernel.spec_governor import SpecGovernor
 from ..kernel.spec_policy import lookahead_slots, spec_policy
-from ..models.checkpoint import read_config
+from ..models.checkpoint import load_tokenizer, read_config
 from ..models.loader import load_model
 from ..models.paged import kv_bytes_per_block
 from ..ops.jit_watch import WATCH as JIT_WATCH
@@ -119,6 +120,11 @@ class EngineCore:
         if self.governor is not None:
             self.scheduler.draft_gate = self.governor.allow
         self.seeds = np.random.default_rng(config.seed)
+        path = checked.path
+        self.grammars = Grammars(lambda: load_tokenizer(path).tok.to_str(), self.model_cfg.vocab_size,
+                                 self.model_cfg.eos_token_ids)
+        self.compiling: deque[tuple[Request, Future[Any]]] = deque()
+        """Structured-output requests whose grammar compiles on the grammar thread, in arrival order."""
         self.inbox: deque[FrontendMessage | Malformed] = deque()
         self.wakeup: anyio.Event | None = None  # made inside the loop that runs the core
         self.running = True
@@ -233,23 +239,46 @@ class EngineCore:
         except InvalidInputError as e:
             return RequestDelta(msg.key, [], "error", f"{type(e).__name__}: {e}")
         seed = params.seed if params.seed is not None else int(self.seeds.integers(2**62))
-        self.scheduler.add(Request(msg.key, prompt, params, seed, self.model_cfg.eos_token_ids,
-                                   self.max_model_len))
+        req = Request(msg.key, prompt, params, seed, self.model_cfg.eos_token_ids, self.max_model_len)
         self.num_prompt_tokens += len(prompt)
+        if params.structured is not None:
+            self.compiling.append((req, self.grammars.compile(params.structured)))
+        else:
+            self.scheduler.add(req)
         return None
+
+    def admit_compiled(self, wait: bool = False) -> list[RequestDelta]:
+        """Hands the requests whose grammar has compiled to the scheduler, in arrival order (with
+        wait, waits for them all); a grammar that failed fails its request."""
+        errors: list[RequestDelta] = []
+        while self.compiling and (wait or self.compiling[0][1].done()):
+            req, compiled = self.compiling.popleft()
+            if req.finish_reason == "abort":
+                continue
+            try:
+                req.grammar = self.grammars.matcher(compiled)
+            except Exception as e:
+                self.log.warning("grammar_failed", key=req.key, error=str(e))
+                errors.append(RequestDelta(req.key, [], "error", f"InvalidSamplingParamsError: {e}"))
+                continue
+            self.scheduler.add(req)
+        return errors
 
     def abort(self, keys: list[int]) -> None:
         for key in keys:
             req = self.scheduler.requests.get(key)
             if req is not None:
                 self.scheduler.finish(req, "abort")
+        for req, _ in self.compiling:
+            if req.key in keys:
+                req.finish_reason = "abort"
 
     def stats(self) -> dict[str, Any]:
         blocks = self.scheduler.blocks
         return {
             "num_steps": self.num_steps,
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": len(self.scheduler.waiting) + len(self.compiling),
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.ledger.num_generated_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
@@ -266,6 +295,7 @@ class EngineCore:
                 "num_k0_steps": self.ledger.num_k0_steps,
                 "num_host_draft_copies": self.ledger.num_host_draft_copies,
                 "num_governor_vetoes": self.governor.num_vetoed if self.governor is not None else 0,
+                "num_invalid_drafts": self.scheduler.num_invalid_drafts,
             },
         }
 
@@ -276,12 +306,13 @@ class EngineCore:
 
     def step(self) -> list[RequestDelta]:
         """One synchronous step (tests and the sync path of the loop share it)."""
+        errors = self.admit_compiled(wait=not self.scheduler.requests)
         frame = self.scheduler.schedule()
         if frame is None:
-            return []
+            return errors
         self.ledger.submit(frame)
         started = time.perf_counter()
-        return self._apply(self.execute(frame), frame, started)
+        return errors + self._apply(self.execute(frame), frame, started)
 
     def _apply(self, result: StepResult, frame: StepFrame | None = None, started: float = 0.0) -> list[RequestDelta]:
         """Applies a step's result; with its frame and launch time, the governor learns from it."""
@@ -362,6 +393,8 @@ class EngineCore:
                 await self._answer_inbox(emit)
                 if not self.running:
                     break
+                if self.compiling and (refused := self.admit_compiled()):
+                    await emit(CoreOutputs(refused))
                 while len(in_flight) < depth and (frame := self.scheduler.schedule()) is not None:
                     self.ledger.submit(frame)
                     in_flight.append(InFlight(frame, time.perf_counter(), runner.submit(self.runner.launch, frame)))
@@ -375,6 +408,7 @@ class EngineCore:
                     await emit(CoreOutputs(deltas))
         finally:
             runner.shutdown(wait=True, cancel_futures=True)
+            self.grammars.close()
 
     def pipeline_depth(self) -> int:
         """Frames in flight at once: 2 with async scheduling, where requests can run ahead. A
@@ -394,7 +428,10 @@ class EngineCore:
     async def _idle(self) -> None:
         """Nothing to run: waits for a message (unless one came meanwhile), then re-arms the wakeup."""
         assert self.wakeup is not None
-        if not self.inbox:
+        if self.compiling:  # a grammar compiles on its thread: look again soon
+            with anyio.move_on_after(0.002):
+                await self.wakeup.wait()
+        elif not self.inbox:
             await self.wakeup.wait()
         self.wakeup = anyio.Event()
 

@@ -51,6 +51,9 @@ class ScheduledRow(msgspec.Struct, frozen=True, array_like=True):
     shifted: bool = False
     """Run-ahead: planned while prev_step_id was in flight, as if it accepted all its drafts;
     the device moves the row back by the drafts that step rejected."""
+    token_bitmask: bytes = b""
+    """Structured output: num_drafts + 1 rows of int32 words (bit v % 32 of word v // 32 allows
+    token v), row j what the grammar allows after the first j drafts; empty: no constraint."""
 
     @property
     def num_drafts(self) -> int:

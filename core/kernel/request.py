@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from ..sampling_params import SamplingParams
+from .grammar import RequestGrammar
 
 
 @dataclass(slots=True)
@@ -18,6 +19,8 @@ class SpecCounters:
     num_accepted_tokens: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    num_invalid_drafts: int = 0
+    """Drafts the grammar refused (structured output): never verified."""
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         if num_drafts == 0:
@@ -43,6 +46,7 @@ class SpecCounters:
             "mean_acceptance_length": (self.num_accepted_tokens + steps) / steps if steps else 0.0,
             "acceptance_per_position": [a / d if d else 0.0 for a, d in
                                         zip(self.accepted_per_position, self.drafted_per_position, strict=True)],
+            "num_invalid_drafts": self.num_invalid_drafts,
         }
 
 
@@ -88,6 +92,8 @@ class Request:
     num_draft_slots: int = 0
     """Drafts proposed after the last applied step that stayed on the device."""
     spec: SpecCounters = field(default_factory=lambda: SpecCounters())
+    grammar: RequestGrammar | None = None
+    """Structured output: the matcher that masks every sampled position and validates drafts."""
 
     @property
     def num_tokens(self) -> int:

@@ -38,6 +38,8 @@ class Scheduler:
         # Generations come from one counter, so (req_id, generation) is never reused, even
         # when a caller reuses a request id after the first request finished.
         self.generations = itertools.count(1)
+        self.num_invalid_drafts = 0
+        """Drafts the grammar of a structured-output request refused (never verified)."""
         self.draft_gate: Callable[[int], bool] | None = None
         """Asked, for a step of that many rows, whether it may draft (the speculation governor)."""
 
@@ -52,7 +54,7 @@ class Scheduler:
         so only with run-ahead (drafts that stay on the device): its next step is planned as if
         every draft in flight is accepted."""
         if not (self.async_scheduling and req.in_flight == 1 and req.num_placeholders == 1
-                and self.may_continue(req)):
+                and self.may_continue(req)) or req.grammar is not None:  # its mask needs the token
             return False
         if self.spec is None:
             return req.num_computed_tokens == req.num_tokens
@@ -146,6 +148,15 @@ class Scheduler:
     def _row(self, req: Request, n: int, drafts: list[int], slots: int,
              placeholder_inputs: int = 0, shifted: bool = False) -> ScheduledRow:
         start = req.num_computed_tokens
+        final = start + n + placeholder_inputs == req.num_tokens + req.num_placeholders + req.num_unverified
+        bitmask = b""
+        if req.grammar is not None and final:
+            req.grammar.sync(req.output_token_ids)
+            valid, bitmask = req.grammar.plan(drafts)
+            refused = len(drafts) + slots - len(valid)  # device slots cannot be checked: none are verified
+            self.num_invalid_drafts += refused
+            req.spec.num_invalid_drafts += refused
+            drafts, slots = valid, 0
         reads_device = placeholder_inputs > 0 or slots > 0 or bool(drafts)  # host drafts too sit in the buffer
         prev_step = req.last_scheduled_step if reads_device else -1
         req.last_scheduled_step = self.next_step_id
@@ -153,7 +164,6 @@ class Scheduler:
         req.in_flight += 1
         req.draft_token_ids, req.num_draft_slots = [], 0
         p = req.params
-        final = start + n + placeholder_inputs == req.num_tokens + req.num_placeholders + req.num_unverified
         sampling = None
         if final:
             sampling = RowSampling(p.temperature, p.top_k, p.top_p, req.seed,
@@ -161,7 +171,8 @@ class Scheduler:
             req.num_placeholders += 1
             req.num_unverified += len(drafts) + slots
         return ScheduledRow(req.key, req.generation, req.slot, start, req.token_ids(start, start + n),
-                            list(req.block_ids), sampling, drafts, slots, placeholder_inputs, prev_step, shifted)
+                            list(req.block_ids), sampling, drafts, slots, placeholder_inputs, prev_step, shifted,
+                            bitmask)
 
     def _skip_drafts(self, rows: list[ScheduledRow]) -> bool:
         """K=0 when no row can verify drafts proposed after this step: rows that sample nothing

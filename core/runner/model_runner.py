@@ -205,15 +205,30 @@ class ModelRunner:
         return self.attention.prepare(chunks, num_tokens=padded.tokens, num_rows=padded.rows, row_extra=extra,
                                       tail=tail, max_query_len=padded.max_query_len)
 
+    def token_bitmask(self, frame: StepFrame, width: int) -> torch.Tensor | None:
+        """[R, width + 1, W] int32 on the device: the rows' grammar bitmasks, all ones where a
+        row or position has none; None for a step without structured output."""
+        if not any(r.token_bitmask for r in frame.rows):
+            return None
+        words = (self.model.cfg.vocab_size + 31) // 32
+        host = np.full((len(frame.rows), width + 1, words), -1, np.int32)
+        for i, r in enumerate(frame.rows):
+            if r.token_bitmask:
+                mask = np.frombuffer(r.token_bitmask, np.int32).reshape(-1, words)
+                host[i, : len(mask)] = mask
+        return torch.from_numpy(host).to(self.device, non_blocking=True)
+
     def write_host_tokens(self, meta: AttentionMetadata) -> None:
         tail = meta.tail
         if tail is not None and tail.numel():
             n = tail.numel() // 3
             self.pool.tokens[tail[:n], tail[n : 2 * n]] = tail[2 * n :]
 
-    def device_step(self, meta: AttentionMetadata, shape: StepShape) -> DeviceOutputs:
+    def device_step(self, meta: AttentionMetadata, shape: StepShape,
+                    bitmask: torch.Tensor | None = None) -> DeviceOutputs:
         """Forward, then sample or verify, then the outputs into the token buffer: all on the
-        device, with shapes fixed by `shape` (a graph captures exactly this)."""
+        device, with shapes fixed by `shape` (a graph captures exactly this). bitmask [R, width
+        + 1, W]: the grammar's allowed tokens per sampled position (structured output, eager)."""
         assert meta.row_extra is not None
         extra = meta.row_extra
         if self.run_ahead:
@@ -231,7 +246,8 @@ class ModelRunner:
         last = (meta.query_start[1:] - 1).clamp(min=0)
         width = shape.verify_width
         if width == 0:
-            out = sample_on_device(self.model.logits(hidden[last]), st, use_triton=self.use_triton)[:, None]
+            out = sample_on_device(self.model.logits(hidden[last]), st, use_triton=self.use_triton,
+                                   bitmask=None if bitmask is None else bitmask[:, 0])[:, None]
             nacc = torch.zeros_like(slot)
         else:
             cols = torch.arange(width + 1, device=self.device)
@@ -240,7 +256,7 @@ class ModelRunner:
             draft_ids = torch.where(cols[None, :width] < num_drafts[:, None], tokens[slot[:, None], draft_pos], -1)
             probs = None if self.draft_probs is None else self.draft_probs[slot, :width]
             logits = self.model.logits(hidden[index.clamp(min=0)])
-            out, nacc = verify(logits, draft_ids, st, probs, use_triton=self.use_triton)
+            out, nacc = verify(logits, draft_ids, st, probs, use_triton=self.use_triton, bitmask=bitmask)
         # Confirmed tokens land right after each row's last verified input; rows that do not
         # sample write into the spare last column, which nothing reads.
         samples = extra[:, SAMPLES] > 0
@@ -294,14 +310,15 @@ class ModelRunner:
     def _launch(self, frame: StepFrame) -> PendingStep:
         rows = frame.rows
         shape = self.step_shape(frame)
-        padded = self.graphs.padded(shape) if self.graphs is not None else None
+        bitmask = self.token_bitmask(frame, shape.verify_width)
+        padded = self.graphs.padded(shape) if self.graphs is not None and bitmask is None else None
         meta = self.plan(frame, padded)
         self.write_host_tokens(meta)
         if padded is not None:
             assert self.graphs is not None
             out = self.graphs.replay(padded)
         else:
-            out = self.device_step(meta, shape)
+            out = self.device_step(meta, shape, bitmask)
         for r in rows:
             self.pool.completed(r.slot, r.generation, frame.step_id)
         n = len(rows)

@@ -293,11 +293,28 @@ def race(probs: torch.Tensor, st: SamplingTensors, use_triton: bool = False) -> 
     return (probs / exponential_noise(st.seed, st.position, probs.shape[-1])).argmax(-1)
 
 
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 words [..., W] -> bool [..., V]: bit v % 32 of word v // 32 allows token v (the
+    layout grammar engines write). An all-ones word (-1) allows all 32 of its tokens."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask[..., None] >> bits) & 1).bool().flatten(-2)[..., :vocab_size]
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
+    """logits [..., V] with the tokens a structured-output grammar forbids at -inf (bitmask
+    [..., W], one row per sampled position); None leaves them as they are."""
+    if bitmask is None:
+        return logits
+    return logits.masked_fill(~allowed_tokens(bitmask, logits.shape[-1]), float("-inf"))
+
+
 def sample_on_device(logits: torch.Tensor, st: SamplingTensors | Sequence[RowSampling],
-                     use_triton: bool = False) -> torch.Tensor:
+                     use_triton: bool = False, bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """logits [R, V] -> [R] int64 tokens on the device; graph-capturable when st is SamplingTensors.
-    use_triton fuses the noise into the race (one pass over p instead of a dozen)."""
+    use_triton fuses the noise into the race (one pass over p instead of a dozen); bitmask [R, W]
+    restricts each row to the tokens its grammar allows."""
     st = as_sampling_tensors(st, logits.device)
+    logits = apply_token_bitmask(logits, bitmask)
     greedy = logits.argmax(-1)
     if st.all_greedy:
         return greedy

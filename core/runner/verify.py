@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from ..sampling_params import RowSampling
-from .sampler import SamplingTensors, as_sampling_tensors, probs_on_device, race, uniform
+from .sampler import SamplingTensors, apply_token_bitmask, as_sampling_tensors, probs_on_device, race, uniform
 
 DRAFT_SALT = 0x5EED
 ACCEPT_ROWS = 16
@@ -121,11 +121,14 @@ def verify(
     st: SamplingTensors | Sequence[RowSampling],
     draft_probs: torch.Tensor | None = None,
     use_triton: bool = False,
+    bitmask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [R, K+1, V] target logits at each row's last host token and its K drafts;
     draft_ids: [R, K] int64 (-1: no draft there); draft_probs: [R, K, V] the proposal q, or None
-    for a deterministic drafter (q one-hot at the draft). Returns (tokens [R, K+1] -1 padded,
-    num_accepted [R]). Graph-capturable when st is SamplingTensors."""
+    for a deterministic drafter (q one-hot at the draft); bitmask [R, K+1, W]: the tokens each
+    position's grammar allows given the drafts before it (structured output). Returns (tokens
+    [R, K+1] -1 padded, num_accepted [R]). Graph-capturable when st is SamplingTensors."""
+    logits = apply_token_bitmask(logits, bitmask)
     r, k1, v = logits.shape
     k = k1 - 1
     st = as_sampling_tensors(st, logits.device)

@@ -25,7 +25,17 @@ from ..models.checkpoint import load_tokenizer
 from ..registry import describe
 from .bench.args import add_arguments as add_bench_arguments
 from .bench.command import main as bench_main
-from .engine_args import EXIT_BAD_INPUT, Parser, config_from, engine_args, flag, params_from, sampling_args, utf8
+from .engine_args import (
+    EXIT_BAD_INPUT,
+    Parser,
+    config_from,
+    engine_args,
+    flag,
+    params_from,
+    sampling_args,
+    structured_args,
+    utf8,
+)
 from .serve.command import add_arguments as add_serve_arguments
 from .serve.command import main as serve_main
 from .train.args import add_arguments as add_train_arguments
@@ -45,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     engine_args(gen)
     sampling_args(gen, 256)
+    structured_args(gen)
     chat_parser = sub.add_parser("chat", help="interactive chat: line editing, Ctrl-C stops a reply, /help lists "
                                               "the commands (an empty line or Ctrl-D ends it)")
     chat_parser.add_argument("--system", default=None, help="system prompt (default: the model's default)")

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import argparse
 import shutil
+from pathlib import Path
 from typing import Any
 
 from ..config import CONTEXT_CAP, DTYPE_NAMES, EngineConfig
 from ..errors import InvalidInputError
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutput
 
 EXIT_BAD_INPUT = 2
 
@@ -77,6 +78,38 @@ def sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def structured_args(p: argparse.ArgumentParser) -> None:
+    """The constraint generate's output must match (one at most)."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--json-schema", type=Path, metavar="FILE", help="output is JSON matching this JSON schema")
+    group.add_argument("--json-object", action="store_true", help="output is a JSON object")
+    group.add_argument("--regex", metavar="R", help="output matches this regular expression")
+    group.add_argument("--grammar", type=Path, metavar="FILE",
+                       help="output matches this Lark grammar (EBNF rules, /regex/ terminals)")
+    group.add_argument("--choice", nargs="+", metavar="TEXT", help="output is exactly one of these strings")
+
+
+def structured_from(args: argparse.Namespace) -> StructuredOutput | None:
+    if getattr(args, "json_schema", None) is not None:
+        return StructuredOutput(json_schema=read_text(args.json_schema, "--json-schema"))
+    if getattr(args, "grammar", None) is not None:
+        return StructuredOutput(grammar=read_text(args.grammar, "--grammar"))
+    if getattr(args, "json_object", False):
+        return StructuredOutput(json_object=True)
+    if getattr(args, "regex", None) is not None:
+        return StructuredOutput(regex=args.regex)
+    if getattr(args, "choice", None):
+        return StructuredOutput(choice=tuple(args.choice))
+    return None
+
+
+def read_text(path: Path, what: str) -> str:
+    try:
+        return utf8(path.read_bytes(), f"{what} {path}")
+    except OSError as e:
+        raise InvalidInputError(f"{what}: cannot read {path} ({e.strerror})") from None
+
+
 def config_from(args: argparse.Namespace) -> EngineConfig:
     """The engine config the flags spell, unchecked (`engine.check.check(config, flag)` checks it)."""
     return EngineConfig(model=args.model, platform=args.platform, dtype=args.dtype,
@@ -102,7 +135,8 @@ def parse_options(items: list[str]) -> dict[str, str]:
 
 def params_from(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, stop=tuple(args.stop)).validate()
+                          top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
+                          structured=structured_from(args)).validate()
 
 
 def utf8(data: bytes, what: str) -> str:

@@ -5,6 +5,7 @@ prompt, with a speculator (ngram) and without."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -50,3 +51,38 @@ def check(served: Served, generated: dict[str, object]) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == generated["text"]
     assert chunks[-1].choices[0].finish_reason == generated["finish_reason"]
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_structured_output_through_the_openai_client() -> None:
+    # `speckernel generate --regex` runs while the server starts.
+    generate = subprocess.Popen([sys.executable, "-m", "speckernel", "generate", "--prompt", "When was Rome founded?",
+                                 "--json", "--temperature", "0", "--max-tokens", "16", "--regex", "[0-9]{3} BC",
+                                 *REAL], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with serve_many([*REAL, "--speculator", "ngram", "--num-speculative-tokens", "3"]) as (served,):
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        messages = [{"role": "user", "content": "Describe a person named Bob, aged 42, as JSON."}]
+        reply = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=48, temperature=0,  # type: ignore[arg-type]
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        person = json.loads(reply.choices[0].message.content or "")
+        assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+        assert reply.choices[0].finish_reason == "stop"
+        choice = client.completions.create(model=model, prompt="The capital of Italy is", max_tokens=8, temperature=0,
+                                           extra_body={"guided_choice": ["Rome", "Milan"]})
+        assert choice.choices[0].text in ("Rome", "Milan")
+        for bad in ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
+                    {"type": "json_schema", "json_schema": {"name": "x"}}):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(model=model, messages=messages, max_tokens=8,  # type: ignore[arg-type]
+                                               response_format=bad)  # type: ignore[arg-type]
+            assert refused.value.status_code == 400
+        with pytest.raises(openai.BadRequestError, match="guided_regex"):
+            client.completions.create(model=model, prompt="x", max_tokens=4, extra_body={"guided_regex": "[a-"})
+        stdout, stderr = generate.communicate(timeout=300)
+        assert generate.returncode == 0, stderr
+        assert re.fullmatch("[0-9]{3} BC", json.loads(stdout)["text"]), stdout

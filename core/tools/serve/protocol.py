@@ -7,15 +7,16 @@ Unknown fields are ignored, as OpenAI clients send options this server does not 
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
-from ...errors import InvalidInputError
-from ...sampling_params import SamplingParams
+from ...errors import InvalidInputError, InvalidSamplingParamsError
+from ...sampling_params import SamplingParams, StructuredOutput
 
 # --- requests -----------------------------------------------------------------------------------
 
@@ -39,6 +40,18 @@ class ChatMessage(msgspec.Struct, kw_only=True):
         return self.content or ""
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str = ""
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Common(msgspec.Struct, kw_only=True):
     """Fields both endpoints share; the sampling ones map onto SamplingParams."""
 
@@ -55,6 +68,35 @@ class _Common(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     """Not in the OpenAI API: generate max_tokens tokens whatever comes (benchmarks use it)."""
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    """vLLM's extras (guided_*): not in the OpenAI API."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    """A Lark grammar."""
+
+    def structured(self) -> tuple[StructuredOutput | None, str | None]:
+        """The output constraint the request names, and the field that names it."""
+        given: list[tuple[StructuredOutput, str]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append((StructuredOutput(json_object=True), "response_format"))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema is None:
+                raise BadRequest("response_format: type json_schema needs json_schema.schema", "response_format")
+            given.append((StructuredOutput.of_schema(json.dumps(fmt.json_schema.schema)), "response_format"))
+        if self.guided_json is not None:
+            given.append((StructuredOutput.of_schema(self.guided_json), "guided_json"))
+        if self.guided_regex is not None:
+            given.append((StructuredOutput(regex=self.guided_regex), "guided_regex"))
+        if self.guided_choice is not None:
+            given.append((StructuredOutput(choice=tuple(self.guided_choice)), "guided_choice"))
+        if self.guided_grammar is not None:
+            given.append((StructuredOutput(grammar=self.guided_grammar), "guided_grammar"))
+        if len(given) > 1:
+            raise BadRequest(f"{', '.join(f for _, f in given)}: give one output constraint at most", given[1][1])
+        return given[0] if given else (None, None)
 
     @property
     def include_usage(self) -> bool:
@@ -70,9 +112,16 @@ class _Common(msgspec.Struct, kw_only=True):
                                  self, ChatCompletionRequest) else "prompt", "context_length_exceeded")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         max_tokens = self.max_tokens if self.max_tokens is not None else max_model_len - prompt_len
+        structured, source = self.structured()
         params = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
-        return params.validate(vocab_size)
+                                top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
+                                structured=structured)
+        try:
+            return params.validate(vocab_size)
+        except InvalidSamplingParamsError as e:
+            if str(e).startswith("structured"):  # a grammar that does not compile: name the field that sent it
+                raise BadRequest(f"{source}: {e}", source) from None
+            raise
 
 
 class ChatCompletionRequest(_Common, kw_only=True):

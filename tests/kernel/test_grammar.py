@@ -1,0 +1,71 @@
+"""The grammar state of a structured-output request on the built-in model's tokenizer: drafts cut
+to their valid prefix with one bitmask row per verified position, rejected drafts rolled back,
+the cache and the compile thread."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from speckernel.errors import InvalidSamplingParamsError
+from speckernel.kernel.grammars import Grammars
+from speckernel.sampling_params import SamplingParams, StructuredOutput
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer) -> Grammars:  # type: ignore[no-untyped-def]
+    return Grammars(tokenizer.tok.to_str, tokenizer.vocab_size, tokenizer.eos_token_ids)
+
+
+def allowed(mask: bytes, vocab_size: int) -> set[int]:
+    bits = np.unpackbits(np.frombuffer(mask, np.uint8), bitorder="little")[:vocab_size]
+    return set(np.flatnonzero(bits).tolist())
+
+
+def ids(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_drafts_are_cut_to_the_valid_prefix_and_rolled_back(grammars, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    g = grammars.matcher(grammars.compile(StructuredOutput(regex="[0-9]+ apples")))
+    v, words = tokenizer.vocab_size, (tokenizer.vocab_size + 31) // 32
+    good, bad = ids(tokenizer, "12"), ids(tokenizer, "x")
+    kept, masks = g.plan(good + bad + good)
+    assert kept == good
+    assert len(masks) == 4 * words * (len(good) + 1)  # K+1 rows: one per verified position
+    rows = [allowed(masks[4 * words * j : 4 * words * (j + 1)], v) for j in range(len(good) + 1)]
+    assert good[0] in rows[0] and bad[0] not in rows[0]
+    assert ids(tokenizer, " apples")[0] in rows[-1] and ids(tokenizer, " apples")[0] not in rows[0]
+    # The step rejected every draft and sampled "7": the drafts leave the matcher.
+    output = ids(tokenizer, "7")
+    g.sync(output)
+    assert g.matcher.try_consume_tokens(ids(tokenizer, " apples")) == len(ids(tokenizer, " apples"))
+    assert g.matcher.is_accepting()
+
+
+def test_a_stale_row_leaves_nothing_behind(grammars, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    g = grammars.matcher(grammars.compile(StructuredOutput(choice=("yes", "no"))))
+    kept, _ = g.plan(ids(tokenizer, "yes"))
+    assert kept == ids(tokenizer, "yes")
+    g.sync([])  # the row was dropped (preempted): nothing confirmed
+    assert g.matcher.try_consume_tokens(ids(tokenizer, "no")) == len(ids(tokenizer, "no"))
+
+
+def test_compiled_grammars_are_cached(grammars) -> None:  # type: ignore[no-untyped-def]
+    s = StructuredOutput(json_object=True)
+    first = grammars.compile(s)
+    assert grammars.compile(StructuredOutput(json_object=True)) is first
+    a, b = grammars.matcher(first), grammars.matcher(first)
+    assert a.matcher is not b.matcher  # each request advances its own copy
+
+
+@pytest.mark.parametrize("bad", [StructuredOutput(regex="[a-"), StructuredOutput(json_schema='{"type": "nope"}'),
+                                 StructuredOutput(json_schema="{"), StructuredOutput(grammar="start: missing"),
+                                 StructuredOutput(), StructuredOutput(regex="a", choice=("a",))])
+def test_a_grammar_that_does_not_compile_is_refused_by_validate(bad: StructuredOutput) -> None:
+    with pytest.raises(InvalidSamplingParamsError, match="structured"):
+        SamplingParams(structured=bad).validate()
+
+
+def test_validate_marks_the_request_for_host_drafts() -> None:
+    assert SamplingParams(structured=StructuredOutput(regex="a+")).validate().structured_output
