@@ -25,12 +25,13 @@ from speckernel.engine.core import EngineCore
 from speckernel.errors import InvalidInputError
 from speckernel.kit import Decoder, Encoder, drafter_wire
 from speckernel.sampling_params import SamplingParams
+from speckernel.tools.serve.metrics import ServeMetrics
 from tests.conftest import PROMPTS, default_sigint, run_to_completion
 
 pytestmark = pytest.mark.slow
 
-GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-SEEDED = SamplingParams(max_tokens=12, temperature=0.8, seed=11, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=8, temperature=0.8, seed=11, ignore_eos=True)
 K = 3
 
 
@@ -150,27 +151,36 @@ def test_served_drafter_changes_no_token_and_deferred_drafts_what_sync_drafts(
 
 def test_a_pending_draft_never_reaches_the_next_owner_of_its_slot(eagle3: Server, tokenizer: Any) -> None:
     """One slot: request A finishes with a proposal still pending (its last step drafted for
-    it), and B, with a prompt longer than A's whole text, takes the slot in the very next step.
-    Were A's drafts stored after B's prompt went into the token buffer, they would overwrite B's
-    prompt tokens at A's length."""
+    it), and B, with a prompt a little longer than A's whole text, takes the slot in the very
+    next step. Were A's drafts stored after B's prompt went into the token buffer, they would
+    overwrite B's prompt tokens at A's length, right before B's last one."""
     a = tokenizer.encode("The sun rises in the")
-    b = tokenizer.encode(" ".join(PROMPTS[:6]))
+    b = tokenizer.encode(" ".join(PROMPTS[:6]))[: len(a) + 3 + K + 1]
     short = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     reference = engine(max_num_seqs=1)
     want = run_to_completion(reference, [a, b], short)
-    assert len(a) + 3 + K < len(b)
     core = engine(eagle3, max_num_seqs=1)
-    resolve = core.runner.resolve_drafts
+    runner = core.runner
+    resolve, device_step = runner.resolve_drafts, runner.device_step
     dropped: list[tuple[int, int]] = []
+    frames: list[Any] = []
 
     def watching(frame: Any) -> None:
-        pending = core.runner.pending_drafts
+        pending = runner.pending_drafts
         if pending is not None:
             owner = {r.slot: r.generation for r in frame.rows}
             dropped.extend(key for key in pending.keys if owner.get(key[0], key[1]) != key[1])
+        frames.append(frame)
         resolve(frame)
 
-    core.runner.resolve_drafts = watching  # type: ignore[method-assign]
+    def checked(meta: Any, shape: Any) -> Any:  # what the step reads is each new prompt, whole
+        for row in frames[-1].rows:
+            if row.start_pos == 0:
+                assert runner.pool.tokens[row.slot, : len(row.token_ids)].tolist() == list(row.token_ids)
+        return device_step(meta, shape)
+
+    runner.resolve_drafts = watching  # type: ignore[method-assign]
+    runner.device_step = checked  # type: ignore[method-assign]
     assert run_to_completion(core, [a, b], short) == want
     assert dropped, "A's last proposal was pending when B took its slot"
 
@@ -216,11 +226,17 @@ def test_a_dead_drafter_costs_speculation_not_tokens_and_a_restarted_one_serves_
     while not core.stats()["spec"]["plugin"]["link_up"]:
         assert time.monotonic() < deadline, "the link never came back"
         time.sleep(0.05)
-    accepted = core.stats()["spec"]["num_accepted_tokens"]
+    failed = plugin["num_failed_calls"]
+    seen = recorded(core)
     assert run_to_completion(core, prompts, GREEDY) == plain["greedy"]
-    spec = core.stats()["spec"]
-    assert spec["plugin"]["num_reconnects"] >= 1 and spec["plugin"]["num_proposals"] > proposals, spec
-    assert spec["num_accepted_tokens"] > accepted  # speculation is back
+    plugin = core.stats()["spec"]["plugin"]
+    assert plugin["num_reconnects"] >= 1 and plugin["num_proposals"] > proposals, plugin
+    assert plugin["num_failed_calls"] == failed, plugin
+    # Speculation is back: the new requests' drafts are the server's, not the empty ones.
+    assert any(t >= 0 for _, ids in drafts_of(core, seen) for row in ids for t in row)
+    metrics = ServeMetrics().render(core.stats()).decode()
+    assert f"speckernel_spec_plugin_num_failed_calls {float(failed)}" in metrics
+    assert "speckernel_spec_plugin_num_reconnects 1.0" in metrics
 
 
 def test_an_error_reply_releases_the_step_with_empty_drafts(eagle3: Server, prompts: list[list[int]],
@@ -229,7 +245,7 @@ def test_an_error_reply_releases_the_step_with_empty_drafts(eagle3: Server, prom
     the first's rows soon lie past its buffers and are refused (an error reply), and those
     requests go on without speculation."""
     core = engine(eagle3)
-    engine(eagle3, max_model_len=16)  # the server's buffers now hold 16 + K + 2 positions
+    engine(eagle3, max_model_len=2)  # the server's buffers now hold 2 + K + 2 positions
     assert run_to_completion(core, prompts, GREEDY) == plain["greedy"]
     plugin = core.stats()["spec"]["plugin"]
     assert plugin["num_error_replies"] >= 1 and plugin["num_rows_unspeculated"] >= 1, plugin
