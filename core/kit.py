@@ -12,7 +12,10 @@ target computes:
 - sampling: `target_noise`, the noise the target samples a position with, so a drafter can
   draw the token the target will draw;
 - `fused_ops`: the kernel's fused Triton ops (rms_norm with residual add, q/k rope, silu_mul),
-  for a platform where `SpeculatorContext.fused_kernels` says they run.
+  for a platform where `SpeculatorContext.fused_kernels` says they run;
+- a drafter served elsewhere: `drafter_wire` (the messages of `speckernel serve-drafter`'s RPC)
+  and the zero-copy codec (`Encoder`, `Decoder`) they travel with;
+- `logger(name)`: the engine's structured key-value log, for a plugin's own events.
 
 The kit is versioned with the kernel, not with the contract: its names and signatures follow
 the kernel's models and ops. A plugin that uses it is tied to the speckernel version it was
@@ -21,6 +24,7 @@ written for; a plugin that needs only the contract imports `speckernel.plugin` a
 
 from __future__ import annotations
 
+from .log import get as logger
 from .models.checkpoint import read_config
 from .models.checkpoint import resolve as resolve_model
 from .models.llama import LlamaModel, RMSNorm
@@ -29,14 +33,20 @@ from .models.paged import new_kv_cache
 from .ops import fused_ops
 from .ops.rope import apply_rope, cos_sin_table
 from .runner.sampler import target_noise
+from .wire import drafter as drafter_wire
+from .wire.codec import Decoder, Encoder
 
 __all__ = [
+    "Decoder",
+    "Encoder",
     "LlamaModel",
     "RMSNorm",
     "apply_rope",
     "cos_sin_table",
+    "drafter_wire",
     "fused_ops",
     "load_model",
+    "logger",
     "new_kv_cache",
     "read_config",
     "resolve_model",

@@ -37,6 +37,8 @@ from .sampling_params import RowSampling
 if TYPE_CHECKING:  # annotations only: the contract itself runs no torch
     import torch
 
+    from .platform import HostGate
+
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
@@ -88,6 +90,11 @@ class SpeculatorCapabilities(msgspec.Struct, frozen=True, kw_only=True):
     trainable: bool = False
     """`speckernel train-drafter --method NAME` trains it: the class has the training protocol
     (`TrainableSpeculator`), and the checkpoint it writes is what `--draft-model` loads."""
+    deferred: bool = False
+    """`propose` may return before its drafts exist: its `Drafts.ready` gate opens once the host
+    has written them. The kernel issues the device work that reads them (their copy, their
+    storage in the token buffer, the next step's inputs) behind that gate, after the next
+    step's host work, and waits at once only where the host needs the IDs. Fixed width only."""
 
     def lookahead_slots(self, k: int) -> int:
         return self.lookahead_slots_per_draft * k
@@ -131,6 +138,11 @@ class SpeculatorContext(Generic[OptionsT]):
     fused_kernels: bool = False
     """The platform runs the kernel's fused Triton ops (`speckernel.kit.fused_ops`) on this device: a speculator's
     layers may call them instead of their torch definitions."""
+    host_gate: Callable[[float], HostGate] | None = None
+    """The platform's gate (timeout in seconds) for a `deferred` speculator's `Drafts.ready`: the
+    stream itself waits where it can (CUDA), the issuing thread elsewhere."""
+    pin_memory: bool = False
+    """Host staging memory should be pinned (the device copies from it asynchronously)."""
 
 
 @dataclass(frozen=True)
@@ -203,6 +215,10 @@ class Drafts:
     are ignored); -1 ends a variable-width row."""
     probs: torch.Tensor | None = None
     """[rows, K, vocab] draft distribution q, when capabilities.sampled_drafts."""
+    ready: HostGate | None = None
+    """Set by a `deferred` speculator: token_ids is host memory that the host fills later, and
+    this gate opens once it has (with -1 drafts when the proposal failed). The kernel calls
+    `enqueue()` and `wait()` before the work that reads token_ids, and never reads them earlier."""
 
 
 @runtime_checkable
@@ -280,6 +296,11 @@ class SpeculatorBase:
     @classmethod
     def draft_kv_bytes_per_token(cls, ctx: SpeculatorContext) -> int:
         return 0
+
+    def stats(self) -> dict[str, float]:
+        """The speculator's own counters (name -> number), shown in the engine's stats under
+        `spec.plugin` and in `/metrics`; optional for plugins written to the protocol."""
+        return {}
 
 
 # --- training: what `speckernel train-drafter` drives -------------------------------------

@@ -155,8 +155,10 @@ class EngineCore:
         if bad_layers:
             raise InvalidInputError(f"speculator {name!r} needs hidden states of layers {bad_layers}; "
                                     f"the target has {num_layers}")
-        if caps.placement != "local_last_stage":
-            raise InvalidInputError(f"speculator {name!r} needs remote placement, which this runner cannot serve yet")
+        # A `remote` speculator runs its drafter elsewhere: the kernel serves it as any host-side one.
+        if caps.deferred and (caps.draft_width != "fixed" or caps.device_only or caps.sampled_drafts):
+            raise InvalidInputError(f"speculator {name!r} declares deferred drafts, which the kernel resolves "
+                                    "for fixed-width, host-side speculators without draft probabilities only")
         return Speculation(cls, ctx, caps)
 
     def _build_speculator(self, spec: Speculation, kv: KvPlan) -> Speculator:
@@ -169,7 +171,8 @@ class EngineCore:
         ctx = dataclasses.replace(
             spec.ctx, max_model_len=kv.max_model_len, num_kv_blocks=kv.num_blocks, draft_kv=draft_kv,
             attention=self.platform.attention_backend(config.block_size, config.max_num_batched_tokens),
-            num_slots=config.max_num_seqs + 1, fused_kernels=self.platform.capabilities.triton)
+            num_slots=config.max_num_seqs + 1, fused_kernels=self.platform.capabilities.triton,
+            host_gate=self.platform.host_gate, pin_memory=self.platform.device.type != "cpu")
         speculator: Speculator = spec.cls(ctx)
         return speculator
 
@@ -296,6 +299,7 @@ class EngineCore:
                 "num_host_draft_copies": self.ledger.num_host_draft_copies,
                 "num_governor_vetoes": self.governor.num_vetoed if self.governor is not None else 0,
                 "num_invalid_drafts": self.scheduler.num_invalid_drafts,
+                "plugin": _plugin_stats(self.speculator),
             },
         }
 
@@ -434,6 +438,12 @@ class EngineCore:
         elif not self.inbox:
             await self.wakeup.wait()
         self.wakeup = anyio.Event()
+
+
+def _plugin_stats(speculator: Speculator | None) -> dict[str, float]:
+    """The speculator's own counters (`SpeculatorBase.stats`); none from a plugin without them."""
+    stats = getattr(speculator, "stats", None)
+    return dict(stats()) if callable(stats) else {}
 
 
 def _finish(launched: Future[PendingStep]) -> StepResult:

@@ -23,6 +23,7 @@ slot fails without running.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -33,7 +34,8 @@ from ..attention import AttentionBackend, AttentionMetadata
 from ..kernel.frame import RowResult, ScheduledRow, StepFrame, StepResult
 from ..models.llama import LlamaModel
 from ..models.paged import new_kv_cache
-from ..plugin import Speculator, TargetModel, TargetStates
+from ..platform import HostGate
+from ..plugin import Drafts, Speculator, TargetModel, TargetStates
 from .sampler import SamplingTensors, sample_on_device
 from .step_graphs import StepGraphs
 from .step_shape import DeviceOutputs, StepShape
@@ -52,6 +54,21 @@ def confirmed_lens(seq_lens: torch.Tensor, num_drafts: torch.Tensor, samples: to
     """Each row's confirmed tokens after its step, on the device: the context it attended minus
     its drafts, plus the accepted ones and the bonus token where it sampled."""
     return seq_lens - num_drafts + torch.where(samples, accepted + 1, 0)
+
+
+class PendingDrafts(NamedTuple):
+    """A deferred speculator's drafts, not written by the host yet: stored behind their gate at
+    the next launch, after its host work and before its tokens enter the token buffer."""
+
+    gate: HostGate
+    staging: torch.Tensor
+    """[rows, K] host memory the speculator fills before it opens the gate."""
+    rows: list[int]
+    """Staging rows of the rows that sampled."""
+    keys: list[tuple[int, int]]
+    """Their (slot, generation): a slot with another generation in the next step is another request's."""
+    starts: list[int]
+    """Where each row's drafts go (its confirmed length)."""
 
 
 class PendingStep:
@@ -106,6 +123,8 @@ class ModelRunner:
                                       self.kv_cache if caps.uses_target_kv else None)
         self.graphs: StepGraphs | None = None
         """Captured decode and verification steps, when the engine captured them."""
+        self.pending_drafts: PendingDrafts | None = None
+        """A deferred proposal, resolved by the next launch."""
 
     # --- launching -------------------------------------------------------------------------
 
@@ -313,6 +332,7 @@ class ModelRunner:
         bitmask = self.token_bitmask(frame, shape.verify_width)
         padded = self.graphs.padded(shape) if self.graphs is not None and bitmask is None else None
         meta = self.plan(frame, padded)
+        self.resolve_drafts(frame)
         self.write_host_tokens(meta)
         if padded is not None:
             assert self.graphs is not None
@@ -408,8 +428,16 @@ class ModelRunner:
         drafts = spec.propose(states, k)
         if frame.skip_drafts:  # the speculator cannot skip drafting: its drafts are dropped
             return msgspec.structs.replace(plain, rows=result_rows, k0=True)
+        if drafts.ready is not None and not frame.host_drafts:
+            # Deferred: the next launch stores them behind the gate, after its host work.
+            self.pending_drafts = PendingDrafts(drafts.ready, drafts.token_ids, sampling_idx,
+                                                [(rows[i].slot, rows[i].generation) for i in sampling_idx],
+                                                [seq_lens[i] for i in sampling_idx])
+            for i in sampling_idx:
+                result_rows[i] = msgspec.structs.replace(result_rows[i], num_next_drafts=k)
+            return msgspec.structs.replace(plain, rows=result_rows)
         idx = torch.tensor(sampling_idx, dtype=torch.int64, device=self.device)
-        ids = drafts.token_ids[idx]
+        ids = self._gated(drafts)[idx]
         sample_slots = slot_index[idx]
         start = torch.tensor([seq_lens[i] for i in sampling_idx], device=self.device)
         self.pool.write(sample_slots, start, ids)
@@ -427,6 +455,34 @@ class ModelRunner:
             cut = next((m for m, tok in enumerate(drafted) if tok < 0), len(drafted))
             result_rows[j] = msgspec.structs.replace(result_rows[j], next_draft_ids=drafted[:cut])
         return msgspec.structs.replace(plain, rows=result_rows, num_host_draft_copies=1)
+
+    def _gated(self, drafts: Drafts) -> torch.Tensor:
+        """A proposal's drafts on the device; a deferred one's copied behind its gate (the host
+        needs them now: it waits where the stream cannot)."""
+        if drafts.ready is None:
+            return drafts.token_ids
+        drafts.ready.enqueue()
+        drafts.ready.wait()
+        return drafts.token_ids.to(self.device, non_blocking=True)
+
+    def resolve_drafts(self, frame: StepFrame) -> None:
+        """Stores a deferred proposal's drafts, in stream order behind its gate, before this
+        step's tokens go into the token buffer: a row whose slot now holds another request
+        (another generation) is dropped, so its draft never reaches the new owner."""
+        pending, self.pending_drafts = self.pending_drafts, None
+        if pending is None:
+            return
+        pending.gate.enqueue()
+        pending.gate.wait()
+        owner = {r.slot: r.generation for r in frame.rows}
+        keep = [j for j, (slot, generation) in enumerate(pending.keys) if owner.get(slot, generation) == generation]
+        if not keep:
+            return
+        ids = pending.staging.to(self.device, non_blocking=True)  # the reply's copy, behind the gate
+        rows = torch.tensor([pending.rows[j] for j in keep], dtype=torch.int64, device=self.device)
+        slots = torch.tensor([pending.keys[j][0] for j in keep], dtype=torch.int64, device=self.device)
+        starts = torch.tensor([pending.starts[j] for j in keep], dtype=torch.int64, device=self.device)
+        self.pool.write(slots, starts, ids[rows])
 
     @torch.inference_mode()
     def prompt_logits(self, frame: StepFrame) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The `speckernel` command: generate, chat, plugins, serve, bench, train-drafter.
+"""The `speckernel` command: generate, chat, plugins, serve, serve-drafter, bench, train-drafter.
 
 Bad input (invalid sampling parameters, a prompt too long, an unknown model or plugin) exits
 with code 2 and a one-line message on stderr, and every check that needs no weights runs
@@ -38,6 +38,8 @@ from .engine_args import (
 )
 from .serve.command import add_arguments as add_serve_arguments
 from .serve.command import main as serve_main
+from .serve_drafter import add_arguments as add_serve_drafter_arguments
+from .serve_drafter import main as serve_drafter_main
 from .train.args import add_arguments as add_train_arguments
 
 EXIT_INTERRUPTED = 130
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--json", action="store_true", help="print one JSON object")
     add_bench_arguments(sub)
     add_serve_arguments(sub)
+    add_serve_drafter_arguments(sub)
     add_train_arguments(sub)
     return parser
 
@@ -187,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench_main(args)
         if args.command == "serve":
             return serve_main(args)
+        if args.command == "serve-drafter":
+            return serve_drafter_main(args)
         if args.command == "train-drafter":
             from .train.drafter import train  # training loads torch; every other command starts without it
 

@@ -11,6 +11,7 @@ SCENARIOS = {
     "decode": "decode speed at batch 1 and under concurrency, per speculator, next to HF transformers",
     "hostsync": "a fixed-width speculator with and without copying draft IDs to the host",
     "prefill": "prefill-only requests with and without K=0 steps",
+    "remote": "a drafter served in a second process, deferred vs synchronous vs local, with injected round trips",
     "scale": "one decode step of a Llama-3-8B-shaped model against the weight-read floor",
     "startup": "time to the first token of a fresh process, by phase (import, load, first token)",
 }
@@ -102,6 +103,24 @@ def hostsync_arguments(p: argparse.ArgumentParser) -> None:
     engine_flags(p)
 
 
+def float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def remote_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", default="eagle3", help="the served drafter (default: eagle3, fixed width)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K", help="drafts per step")
+    p.add_argument("--draft-model", default=None, help="the drafter's checkpoint (default: the shipped one)")
+    p.add_argument("--rtt-ms", type=float_list, default=[0.0, 0.5, 1.0, 2.0],
+                   help="injected round trips, comma-separated (default: 0,0.5,1,2)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
+    p.add_argument("--num-prompts", type=int, default=1, help="prompts run at once")
+    engine_flags(p, max_model_len=1024, process=False)
+
+
 def prefill_arguments(p: argparse.ArgumentParser) -> None:
     speculator_flags(p, "repeatable; default: ngram")
     p.add_argument("--prompt-tokens", type=int, default=1200, help="tokens per prompt")
@@ -137,7 +156,8 @@ def startup_arguments(p: argparse.ArgumentParser) -> None:
 
 
 ARGUMENTS = {"accept": accept_arguments, "decode": decode_arguments, "hostsync": hostsync_arguments,
-             "prefill": prefill_arguments, "scale": scale_arguments, "startup": startup_arguments}
+             "prefill": prefill_arguments, "remote": remote_arguments, "scale": scale_arguments,
+             "startup": startup_arguments}
 
 
 def serve_arguments(p: argparse.ArgumentParser) -> None:

@@ -75,6 +75,11 @@ class EngineCollector(Collector):
             metric = family(f"{self.prefix}_{name}", text)
             metric.add_metric([], spec.get(key) or 0.0)
             yield metric
+        for key, value in sorted((spec.get("plugin") or {}).items()):  # the speculator's own counters
+            plugin = GaugeMetricFamily(f"{self.prefix}_spec_plugin_{key}",
+                                       f"the {spec.get('speculator')} speculator's {key} (stats: spec.plugin)")
+            plugin.add_metric([], float(value))
+            yield plugin
 
 
 class ServeMetrics:

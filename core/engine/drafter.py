@@ -1,0 +1,221 @@
+"""A built-in drafter hosted outside the engine: what `speckernel serve-drafter` runs per request.
+
+`DrafterHost` loads the speculator named by `--method` for one target and keeps, per slot of
+the engine it serves, what the kernel would have kept for it: the token buffer, the drafter's
+own KV (slot s owns a fixed run of blocks, so no block manager is needed), and whatever the
+speculator keeps itself. Each `Ingest`/`Propose` rebuilds the step's `TargetStates` from the
+wire (the target's hidden states arrive with it; the target's embedding and head are this
+process's own copy, loaded when the drafter declares it uses them), then calls the speculator's
+`sync` or `propose` exactly as the runner does.
+
+Refused: drafters that read the target's KV rows (they would need the target's cache shipped
+every step) and drafters whose drafts are sampled from a q that verification must see.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import log, registry
+from ..attention import AttentionBackend
+from ..errors import InvalidInputError
+from ..models.checkpoint import read_config, resolve
+from ..models.llama import LlamaModel
+from ..models.loader import load_model
+from ..platform import parse_dtype
+from ..plugin import Speculator, SpeculatorCapabilities, SpeculatorContext, TargetModel, TargetStates
+from ..wire.drafter import HIDDEN_CARRIERS, Describe, Free, Hello, Ingest, Propose, fingerprint
+from .check import parse_options
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def hidden_from_wire(a: np.ndarray, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Hidden states as the engine sent them (`HIDDEN_CARRIERS`), in this drafter's dtype."""
+    if name not in TORCH_DTYPES or a.dtype != np.dtype(HIDDEN_CARRIERS[name]):
+        raise InvalidInputError(f"hidden states: {name} cannot travel as {a.dtype}")
+    t = torch.from_numpy(np.array(a))  # frames are read-only: one copy
+    if name == "bfloat16":
+        t = t.view(torch.bfloat16)
+    return t.to(device=device, dtype=dtype)
+
+
+@dataclass
+class Served:
+    """The drafter built for one engine's sizes, and the state it keeps per slot."""
+
+    speculator: Speculator
+    caps: SpeculatorCapabilities
+    key: tuple[int, int, int, int]
+    """(num_slots, block_size, max_model_len, K): a Hello with other sizes builds anew."""
+    tokens: torch.Tensor
+    tables: list[list[int]]
+    attention: AttentionBackend
+    """The step's plan (the target's view of the step), apart from the speculator's own backend."""
+    generations: dict[int, int]
+
+
+class DrafterHost:
+    def __init__(self, method: str, model: str, *, platform: str | None = None, dtype: str | None = None,
+                 draft_model: str | None = None, options: dict[str, str] | None = None) -> None:
+        self.method = method
+        self.log = log.get("drafter_host")
+        self.platform = registry.pick_platform(platform)
+        self.dtype = parse_dtype(dtype) if dtype else self.platform.default_dtype()
+        self.path = resolve(model)
+        self.target = read_config(self.path)
+        self.identity = fingerprint(self.target)
+        found = sorted(registry.discover("speculator"))
+        if method not in found or method == "remote":
+            raise InvalidInputError(f"serve-drafter --method {method!r}: expected one of "
+                                    f"{', '.join(m for m in found if m != 'remote')}")
+        self.cls: Any = registry.load("speculator", method)
+        self.options = parse_options(method, self.cls.Options, options or {})
+        self.draft_model = draft_model
+        self.session = secrets.randbits(62)
+        self.model: LlamaModel | None = None
+        self.served: Served | None = None
+
+    def _ctx(self, msg: Describe) -> SpeculatorContext:
+        if msg.target != self.identity:
+            raise InvalidInputError(f"this drafter serves the target {self.path.name} ({self.identity}); "
+                                    f"the engine runs another ({msg.target})")
+        return SpeculatorContext(
+            target=self.target, target_path=self.path, device=self.platform.device, dtype=self.dtype,
+            block_size=msg.block_size, max_model_len=msg.max_model_len,
+            num_speculative_tokens=msg.num_speculative_tokens, options=self.options, draft_model=self.draft_model)
+
+    def describe(self, msg: Describe) -> SpeculatorCapabilities:
+        """The speculator's own check and capabilities for the engine's target and sizes."""
+        ctx = self._ctx(msg)
+        self.cls.check(ctx)
+        caps: SpeculatorCapabilities = self.cls.capabilities_for(ctx)
+        if caps.uses_target_kv:
+            raise InvalidInputError(f"{self.method} reads the target's KV rows, which do not travel to a "
+                                    "served drafter; serve it in the engine")
+        if caps.sampled_drafts:
+            raise InvalidInputError(f"{self.method} samples its drafts from a distribution verification "
+                                    "must see, which does not travel to a served drafter")
+        if caps.max_k < msg.num_speculative_tokens:
+            raise InvalidInputError(f"{self.method} drafts at most {caps.max_k} tokens; got "
+                                    f"K={msg.num_speculative_tokens}")
+        return caps
+
+    def hello(self, msg: Hello) -> SpeculatorCapabilities:
+        """Describe, and the drafter built for these sizes (kept when a Hello with the same sizes
+        comes again: an engine that reconnected finds its slots as it left them)."""
+        caps = self.describe(msg)
+        key = (msg.num_slots, msg.block_size, msg.max_model_len, msg.num_speculative_tokens)
+        if msg.num_slots and (self.served is None or self.served.key != key):
+            self.served = self._build(msg, caps, key)
+        return caps
+
+    def _build(self, msg: Hello, caps: SpeculatorCapabilities, key: tuple[int, int, int, int]) -> Served:
+        ctx = self._ctx(msg)
+        k, bs = msg.num_speculative_tokens, msg.block_size
+        width = msg.max_model_len + k + 2
+        per_slot = math.ceil((width + caps.lookahead_slots(k)) / bs)
+        num_blocks = msg.num_slots * per_slot
+        draft_bytes = self.cls.draft_kv_bytes_per_token(ctx) * num_blocks * bs
+        device = self.platform.device
+        draft_kv = torch.zeros(draft_bytes, dtype=torch.uint8, device=device) if draft_bytes else None
+        max_tokens = max(8192, msg.num_slots * (k + 1))
+        ctx = dataclasses.replace(
+            ctx, num_kv_blocks=num_blocks, draft_kv=draft_kv, num_slots=msg.num_slots,
+            attention=self.platform.attention_backend(bs, max_tokens),
+            fused_kernels=self.platform.capabilities.triton,
+            pin_memory=device.type != "cpu")
+        if caps.uses_target_weights and self.model is None:
+            self.model = load_model(self.path, self.dtype, device, width)
+        speculator = self.cls(ctx)
+        self.log.info("drafter_built", method=self.method, num_slots=msg.num_slots, k=k,
+                      draft_kv_bytes=draft_bytes, max_model_len=msg.max_model_len)
+        return Served(
+            speculator=speculator, caps=caps, key=key,
+            tokens=torch.zeros(msg.num_slots, width, dtype=torch.int64, device=device),
+            tables=[list(range(s * per_slot, (s + 1) * per_slot)) for s in range(msg.num_slots)],
+            attention=self.platform.attention_backend(bs, max_tokens, max_rows=msg.num_slots,
+                                                      max_blocks=per_slot),
+            generations={})
+
+    def free(self, msg: Free) -> None:
+        served = self._require()
+        for slot, generation in zip(msg.slots, msg.generations, strict=True):
+            if served.generations.get(slot) == generation:
+                del served.generations[slot]
+
+    def _require(self) -> Served:
+        if self.served is None:
+            raise InvalidInputError("no Hello with the engine's sizes came before this request")
+        return self.served
+
+    @torch.inference_mode()
+    def step(self, msg: Ingest | Propose) -> np.ndarray | None:
+        """The runner's speculator pass over one step; [R, K] int64 drafts for a Propose."""
+        served = self._require()
+        states = self._states(served, msg)
+        if isinstance(msg, Propose) and msg.k > 0:
+            drafts = served.speculator.propose(states, msg.k)
+            out: np.ndarray = drafts.token_ids.to(torch.int64).cpu().numpy()
+            return out
+        served.speculator.sync(states)
+        return None
+
+    def _states(self, served: Served, msg: Ingest) -> TargetStates:
+        device = self.platform.device
+        rows = msg.rows
+        if not rows:
+            raise InvalidInputError("a step without rows")
+        num_slots = len(served.tables)
+        width = served.tokens.shape[1]
+        caps = served.caps
+        if len(msg.hidden) != len(caps.target_hidden_layers):
+            raise InvalidInputError(f"expected hidden states of layers {caps.target_hidden_layers}, "
+                                    f"got {len(msg.hidden)} arrays")
+        total = sum(r.num_new_tokens for r in rows)
+        tokens = np.asarray(msg.tokens)
+        if tokens.shape != (total,) or tokens.dtype.kind not in "iu":
+            raise InvalidInputError(f"tokens: expected {total} integers, got {tokens.dtype} {tokens.shape}")
+        offset = 0
+        new = torch.from_numpy(tokens.astype(np.int64)).to(device)
+        for r in rows:
+            if not 0 <= r.slot < num_slots or r.tokens_from < 0 or r.tokens_from + r.num_new_tokens > width \
+                    or r.start_pos + r.num_tokens > width:
+                raise InvalidInputError(f"row of slot {r.slot} lies outside the drafter's buffers")
+            n = r.num_new_tokens
+            served.tokens[r.slot, r.tokens_from : r.tokens_from + n] = new[offset : offset + n]
+            offset += n
+            served.generations[r.slot] = r.generation
+        t = sum(r.num_tokens for r in rows)
+        hidden = {}
+        for layer, a in zip(caps.target_hidden_layers, msg.hidden, strict=True):
+            if a.ndim != 2 or a.shape[0] != t or a.shape[1] != self.target.hidden_size:
+                raise InvalidInputError(f"hidden states of layer {layer}: expected [{t}, {self.target.hidden_size}], "
+                                        f"got {list(a.shape)}")
+            hidden[layer] = hidden_from_wire(a, msg.hidden_dtype, device, self.dtype)
+        tables = [served.tables[r.slot] for r in rows]
+        meta = served.attention.prepare([(r.start_pos, r.num_tokens, tables[i]) for i, r in enumerate(rows)])
+        slot_index = torch.tensor([r.slot for r in rows], dtype=torch.int64, device=device)
+        seq_lens = [r.seq_len for r in rows]
+        samples = [r.samples for r in rows]
+        m = self.model
+        target = None
+        if caps.uses_target_weights:
+            assert m is not None
+            target = TargetModel(self.target, m.embed, m.norm, m.logits, None)
+        query_start = np.concatenate([[0], np.cumsum([r.num_tokens for r in rows])]).tolist()
+        return TargetStates(
+            tokens=served.tokens, slots=[r.slot for r in rows], slot_index=slot_index,
+            generations=[r.generation for r in rows], start_pos=[r.start_pos for r in rows],
+            query_start=query_start, positions=meta.positions, num_drafts=[r.num_drafts for r in rows],
+            accepted=torch.tensor([r.accepted for r in rows], dtype=torch.int64, device=device),
+            seq_lens=seq_lens, samples=samples, sampling=[r.sampling for r in rows], block_tables=tables,
+            hidden=hidden, seq_lens_device=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            samples_device=torch.tensor(samples, dtype=torch.bool, device=device), target=target, attention=meta)

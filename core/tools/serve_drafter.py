@@ -1,0 +1,184 @@
+"""`speckernel serve-drafter --method M --bind ADDR --keys DIR`: a built-in drafter in its own process.
+
+One ROUTER socket, CURVE-authenticated like the engine core's sockets: the server holds the
+secret of `DIR/server.key_secret` and admits only the clients whose public keys lie in
+`DIR/clients/` (the first start writes both pairs, `client.key_secret` being the engine's:
+`--speculator remote --speculator-option address=ADDR --speculator-option keys=DIR`). A peer
+without an admitted key never completes the handshake, so it can neither send a request nor
+read a reply. Requests are handled one at a time in arrival order (`DrafterHost`); a request
+that fails is answered with `Failed` and the server goes on.
+
+`--inject-rtt-ms` holds each reply back by that much after its request arrived (half before
+the drafter runs, half after), so `speckernel bench remote` can measure what the link costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from .. import log
+from ..errors import InvalidInputError
+from ..wire.codec import Decoder, Encoder
+from ..wire.drafter import (
+    Describe,
+    Described,
+    Done,
+    Drafted,
+    DrafterReply,
+    DrafterRequest,
+    Failed,
+    Free,
+    Hello,
+    Ingest,
+    Ping,
+    Propose,
+)
+from .engine_args import parse_options
+
+
+def add_arguments(sub: Any) -> None:
+    p = sub.add_parser("serve-drafter", help="serve a built-in drafter for one target over ZeroMQ "
+                                             "(the engine's `--speculator remote` connects to it)")
+    p.add_argument("--method", required=True, help="the drafter: a built-in speculator (eagle3, mtp, dflash, ngram...)")
+    p.add_argument("--model", default="smollm2-135m", help="the target it drafts for (default: smollm2-135m)")
+    p.add_argument("--draft-model", default=None, help="the drafter's checkpoint (default: the shipped one)")
+    p.add_argument("--speculator-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the drafter (repeatable)")
+    p.add_argument("--bind", required=True, metavar="ADDR", help="ZeroMQ address, e.g. tcp://127.0.0.1:5710 or ipc://PATH")
+    p.add_argument("--keys", required=True, type=Path, metavar="DIR",
+                   help="CURVE keys: server.key(_secret), client.key(_secret) and the admitted clients/ "
+                        "(written when missing)")
+    p.add_argument("--platform", default=None, help="platform plugin (default: the best available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the platform's)")
+    p.add_argument("--inject-rtt-ms", type=float, default=0.0, help="hold each reply back by this round trip")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def ensure_keys(folder: Path) -> tuple[tuple[bytes, bytes], Path]:
+    """The server's key pair, and the folder of admitted client keys (both written when missing)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    clients = folder / "clients"
+    clients.mkdir(exist_ok=True)
+    if not (folder / "server.key_secret").is_file():
+        zmq.auth.create_certificates(str(folder), "server")
+    if not (folder / "client.key_secret").is_file():
+        public, _ = zmq.auth.create_certificates(str(folder), "client")
+        (clients / "client.key").write_bytes(Path(public).read_bytes())
+    server_public, server_secret = zmq.auth.load_certificate(str(folder / "server.key_secret"))
+    assert server_secret is not None
+    return (server_public, server_secret), clients
+
+
+class DrafterServer:
+    """The socket loop around a `DrafterHost`."""
+
+    def __init__(self, host: Any, bind: str, keys: Path, inject_rtt_ms: float = 0.0) -> None:
+        self.host = host
+        self.log = log.get("serve_drafter")
+        self.rtt_s = inject_rtt_ms / 1e3
+        (_, secret), clients = ensure_keys(keys)
+        self.ctx = zmq.Context()
+        self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger(f"{log.ROOT}.zap"))
+        self.auth.start()
+        self.auth.configure_curve(domain="*", location=str(clients))
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.curve_server = True
+        self.sock.curve_secretkey = secret
+        self.sock.bind(bind)
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.encoder = Encoder()
+        self.decoder = Decoder(DrafterRequest)
+        self.stop = threading.Event()
+        self.num_requests = 0
+
+    def serve(self) -> None:
+        self.log.info("drafter_serving", address=self.address, method=self.host.method, session=self.host.session)
+        try:
+            while not self.stop.is_set():
+                if not self.sock.poll(100):
+                    continue
+                frames = self.sock.recv_multipart(copy=False)
+                arrived = time.perf_counter()
+                ident, body = frames[0], frames[1:]
+                reply = self.handle(body, arrived)
+                self.sock.send_multipart([ident, *self.encoder.encode(reply)], copy=False)
+        finally:
+            self.close()
+
+    def handle(self, body: list[Any], arrived: float) -> DrafterReply:
+        try:
+            msg = self.decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.log.warning("drafter_bad_frame", error=str(e))
+            return Failed(-1, f"undecodable request: {e}")
+        self.num_requests += 1
+        self._hold(arrived, 0.5)
+        try:
+            reply = self._answer(msg)
+        except InvalidInputError as e:
+            reply = Failed(msg.call_id, str(e), invalid_input=True)
+        except Exception as e:  # a fault in one request never ends the server
+            self.log.exception("drafter_request_failed", request=type(msg).__name__)
+            reply = Failed(msg.call_id, f"{type(e).__name__}: {e}")
+        self._hold(arrived, 1.0)
+        return reply
+
+    def _hold(self, arrived: float, fraction: float) -> None:
+        if self.rtt_s:
+            left = arrived + self.rtt_s * fraction - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+
+    def _answer(self, msg: Any) -> DrafterReply:
+        host = self.host
+        match msg:
+            case Hello():
+                caps = host.hello(msg)
+                return Described(msg.call_id, host.session, host.method, msgspec.to_builtins(caps), str(host.dtype))
+            case Describe():
+                caps = host.describe(msg)
+                return Described(msg.call_id, host.session, host.method, msgspec.to_builtins(caps), str(host.dtype))
+            case Propose() if msg.k > 0:
+                drafts = host.step(msg)
+                return Drafted(msg.call_id, [r.slot for r in msg.rows], [r.generation for r in msg.rows], drafts)
+            case Ingest():
+                host.step(msg)
+                return Done(msg.call_id, host.session)
+            case Free():
+                host.free(msg)
+                return Done(msg.call_id, host.session)
+            case Ping():
+                return Done(msg.call_id, host.session)
+        return Failed(getattr(msg, "call_id", -1), f"unknown request {type(msg).__name__}")
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.auth.stop()
+        self.ctx.term()
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..engine.drafter import DrafterHost  # torch and the drafter load for this command alone
+
+    host = DrafterHost(args.method, args.model, platform=args.platform, dtype=args.dtype,
+                       draft_model=args.draft_model, options=parse_options(args.speculator_option))
+    server = DrafterServer(host, args.bind, args.keys, args.inject_rtt_ms)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop.set())
+    print(f"serving {args.method} for {host.path.name} at {server.address}", flush=True)
+    try:
+        server.serve()
+    except KeyboardInterrupt:
+        return 130
+    return 0
