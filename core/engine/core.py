@@ -7,7 +7,6 @@ deltas go out. The same object serves in-process embedding and its own process.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -34,7 +33,7 @@ from ..models.checkpoint import read_config
 from ..models.loader import load_model
 from ..models.paged import kv_bytes_per_block
 from ..platform import parse_dtype
-from ..plugin import Speculator, SpeculatorCapabilities, SpeculatorContext
+from ..plugin import Speculator, SpeculatorCapabilities
 from ..runner.model_runner import ModelRunner, PendingStep
 from ..runner.step_graphs import StepGraphs, prefill_buckets
 from ..wire.messages import (
@@ -51,16 +50,9 @@ from ..wire.messages import (
     UtilityResult,
     check_wire,
 )
-from .check import Checked, check
-
-
-class Speculation(NamedTuple):
-    """The speculator as checked at start: its class, the context it is built with, and what it
-    declares for this target."""
-
-    cls: Any
-    ctx: SpeculatorContext
-    caps: SpeculatorCapabilities
+from .check import Checked, check, check_pipeline
+from .stages import Pipeline
+from .speculation import Speculation, build_speculator, check_speculator
 
 
 class InFlight(NamedTuple):
@@ -90,25 +82,23 @@ class EngineCore:
             draft_kv_bytes_per_token=spec.cls.draft_kv_bytes_per_token(spec.ctx) if spec is not None else 0,
             budget_bytes=self.platform.kv_budget_bytes)
         self.max_model_len = kv.max_model_len
-        model = load_model(checked.path, self.dtype, self.platform.device, kv.max_model_len + kv.lookahead_slots)
-        self.speculator = self._build_speculator(spec, kv) if spec is not None else None
         attention = self.platform.attention_backend(config.block_size, config.max_num_batched_tokens,
                                                     max_rows=config.max_num_seqs + 1,
                                                     max_blocks=kv.blocks_per_request(k))
         policy = spec_policy(caps, attention, config)
-        self.runner = ModelRunner(model, self.platform.device, kv.num_blocks, config.block_size, attention,
-                                  num_slots=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  speculator=self.speculator, num_speculative_tokens=k,
-                                  use_triton=self.platform.capabilities.triton,
-                                  force_host_drafts=config.force_host_drafts,
-                                  max_num_tokens=config.max_num_batched_tokens,
-                                  run_ahead=policy is not None and policy.run_ahead)
-        if self.platform.capabilities.triton:
-            model.use_triton_ops(True)
-        self.runner.graphs = self._capture_graphs(caps, k)
+        pipeline = config.pipeline_parallel_size > 1
+        self.speculator = None
+        self.runner: ModelRunner | Pipeline
+        if pipeline:
+            # The stages hold the weights, the KV and the drafter; the core keeps the requests.
+            if policy is not None:  # the first stage learns a step's drafts from its frame, never ahead of it
+                policy = msgspec.structs.replace(policy, run_ahead=False)
+            self.runner = Pipeline(config, checked, kv, k)
+        else:
+            self.runner = self._local_runner(checked, spec, kv, k, attention, policy)
         self.scheduler = Scheduler(BlockManager(kv.num_blocks, config.block_size),
                                    config.max_num_seqs, config.max_num_batched_tokens, policy,
-                                   async_scheduling=config.async_scheduling)
+                                   async_scheduling=config.async_scheduling, pipeline=pipeline)
         self.ledger = Ledger(self.scheduler)
         self.governor = SpecGovernor() if config.adaptive_speculation and spec is not None else None
         if self.governor is not None:
@@ -123,44 +113,44 @@ class EngineCore:
         self.log.info("engine_core_ready", platform=self.platform.name, dtype=str(self.dtype),
                       num_kv_blocks=kv.num_blocks, max_model_len=self.max_model_len, model=str(checked.path))
 
+    def _local_runner(self, checked: Checked, spec: Speculation | None, kv: KvPlan, k: int,
+                      attention: Any, policy: Any) -> ModelRunner:
+        """The whole target in this process: weights, speculator, runner, graphs."""
+        config = self.config
+        model = load_model(checked.path, self.dtype, self.platform.device, kv.max_model_len + kv.lookahead_slots)
+        self.speculator = self._build_speculator(spec, kv) if spec is not None else None
+        runner = ModelRunner(model, self.platform.device, kv.num_blocks, config.block_size, attention,
+                             num_slots=config.max_num_seqs, max_model_len=self.max_model_len,
+                             speculator=self.speculator, num_speculative_tokens=k,
+                             use_triton=self.platform.capabilities.triton,
+                             force_host_drafts=config.force_host_drafts,
+                             max_num_tokens=config.max_num_batched_tokens,
+                             run_ahead=policy is not None and policy.run_ahead)
+        if self.platform.capabilities.triton:
+            model.use_triton_ops(True)
+        self.runner = runner
+        runner.graphs = self._capture_graphs(spec.caps if spec is not None else None, k)
+        return runner
+
+    def close(self) -> None:
+        """Stops what the core started (the pipeline's stage processes)."""
+        if isinstance(self.runner, Pipeline):
+            self.runner.close()
+
     def _check_speculator(self, checked: Checked) -> Speculation | None:
-        """The named speculator's own checks against this target, and its capabilities for it."""
-        cls = checked.speculator
-        if cls is None:
+        """The named speculator's own checks against this target, and what it declares for it."""
+        spec = check_speculator(checked, self.model_cfg, self.platform, self.dtype)
+        if spec is None:
             return None
-        name = self.config.speculator
-        ctx = SpeculatorContext(
-            target=self.model_cfg, target_path=checked.path, device=self.platform.device, dtype=self.dtype,
-            block_size=self.config.block_size, max_model_len=checked.max_model_len,
-            num_speculative_tokens=self.config.num_speculative_tokens, options=checked.options,
-            draft_model=self.config.draft_model)
-        cls.check(ctx)
-        # SpeculatorBase (every built-in) has capabilities_for; a plugin written to the protocol
-        # before it gained the classmethod declares only `capabilities`.
-        caps: SpeculatorCapabilities = cls.capabilities_for(ctx) if hasattr(cls, "capabilities_for") \
-            else cls.capabilities
-        num_layers = self.model_cfg.num_layers
-        bad_layers = [layer for layer in caps.target_hidden_layers if not 0 <= layer < num_layers]
-        if bad_layers:
-            raise InvalidInputError(f"speculator {name!r} needs hidden states of layers {bad_layers}; "
-                                    f"the target has {num_layers}")
-        if caps.placement != "local_last_stage":
-            raise InvalidInputError(f"speculator {name!r} needs remote placement, which this runner cannot serve yet")
-        return Speculation(cls, ctx, caps)
+        if self.config.pipeline_parallel_size > 1:  # what the class declared was checked before; now this target's
+            check_pipeline(self.config, self.model_cfg.num_layers, spec.cls, caps=spec.caps)
+        if spec.caps.placement != "local_last_stage":
+            raise InvalidInputError(f"speculator {self.config.speculator!r} needs remote placement, "
+                                    "which this runner cannot serve yet")
+        return spec
 
     def _build_speculator(self, spec: Speculation, kv: KvPlan) -> Speculator:
-        """The speculator, built with the cache it shares: the context held, the block count, its
-        draft-KV memory and an attention backend of its own."""
-        config = self.config
-        draft_kv = None
-        if kv.draft_kv_bytes:
-            draft_kv = torch.zeros(kv.draft_kv_bytes, dtype=torch.uint8, device=self.platform.device)
-        ctx = dataclasses.replace(
-            spec.ctx, max_model_len=kv.max_model_len, num_kv_blocks=kv.num_blocks, draft_kv=draft_kv,
-            attention=self.platform.attention_backend(config.block_size, config.max_num_batched_tokens),
-            num_slots=config.max_num_seqs + 1, fused_kernels=self.platform.capabilities.triton)
-        speculator: Speculator = spec.cls(ctx)
-        return speculator
+        return build_speculator(self.config, spec, self.platform, kv.max_model_len, kv.num_blocks, kv.draft_kv_bytes)
 
     def _capture_graphs(self, caps: SpeculatorCapabilities | None, k: int) -> StepGraphs | None:
         """Device graphs of decode and verification steps (verify width 0 or K) and of lone
@@ -354,12 +344,15 @@ class EngineCore:
                     await emit(CoreOutputs(deltas))
         finally:
             runner.shutdown(wait=True, cancel_futures=True)
+            self.close()
 
     def pipeline_depth(self) -> int:
         """Frames in flight at once: 2 with async scheduling, where requests can run ahead. A
         speculative request without run-ahead waits for its frame, and a second frame would then
         hold only the rest of the batch, halving every step."""
         spec = self.scheduler.spec
+        if self.scheduler.pipeline:  # the batch queue: a frame per stage, with async scheduling
+            return self.config.pipeline_parallel_size if self.scheduler.async_scheduling else 1
         return 2 if self.scheduler.async_scheduling and (spec is None or spec.run_ahead) else 1
 
     async def _answer_inbox(self, emit: Callable[[CoreMessage], Awaitable[None]]) -> None:

@@ -1,0 +1,170 @@
+"""The engine core's side of pipeline parallelism: starts one stage process per slice of the
+target's layers, hands each a StepFrame per step, and collects the last stage's TokenFrames.
+
+Stages join their torch.distributed group through env:// (MASTER_ADDR, MASTER_PORT, RANK,
+WORLD_SIZE), so the stage code is what `torchrun` would run. The core talks to them over
+ZeroMQ: a PUSH socket per stage for commands, one PULL for their reports, and the zmq transport
+plugin for the token frames. While it waits for a frame it watches the stage processes: one that
+exits fails the step with EngineDeadError naming it, and `close` leaves no stage behind.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from typing import Any
+
+import msgspec
+import zmq
+
+from .. import log, registry
+from ..config import EngineConfig
+from ..errors import EngineDeadError
+from ..kernel.frame import StepFrame, StepResult
+from ..kernel.kv_plan import KvPlan
+from ..kernel.token_frames import result_from_frame
+from ..runner.model_runner import PendingStep
+from .check import Checked
+from .stage_process import Digest, RunStep, StageBootstrap, StageReport, Stop
+
+POLL_S = 0.1
+"""How often a wait for a frame looks at the stage processes (a dead one is seen within this)."""
+STOP_WAIT_S = 3.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        try:
+            p.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class Pipeline:
+    """Duck-types the runner the core's loop drives: `launch` a frame, its PendingStep's result."""
+
+    graphs = None
+
+    def __init__(self, config: EngineConfig, checked: Checked, kv: KvPlan, k: int) -> None:
+        self.log = log.get("pipeline")
+        self.config = config
+        n = config.pipeline_parallel_size
+        self.ctx = zmq.Context()
+        self.commands = []
+        for _ in range(n):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind("tcp://127.0.0.1:*")
+            self.commands.append(sock)
+        self.reports = self.ctx.socket(zmq.PULL)
+        self.reports.setsockopt(zmq.LINGER, 0)
+        self.reports.bind("tcp://127.0.0.1:*")
+        self.results: Any = registry.load("transport", "zmq")("tcp://127.0.0.1:*", bind=True, ctx=self.ctx)
+        boot = StageBootstrap(
+            config=config, num_blocks=kv.num_blocks, max_model_len=kv.max_model_len,
+            lookahead_slots=kv.lookahead_slots, draft_kv_bytes=kv.draft_kv_bytes,
+            commands=[s.getsockopt_string(zmq.LAST_ENDPOINT) for s in self.commands],
+            results=self.results.address, reports=self.reports.getsockopt_string(zmq.LAST_ENDPOINT),
+            threads=max(1, (os.cpu_count() or 1) // n))
+        payload = msgspec.json.encode(boot)
+        port = config.pipeline_port or free_port()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for rank in range(n):
+            env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                                "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n)}
+            proc = subprocess.Popen([sys.executable, "-m", "speckernel.engine.stage_process"],
+                                    stdin=subprocess.PIPE, env=env)
+            assert proc.stdin is not None
+            proc.stdin.write(payload)
+            proc.stdin.close()
+            self.procs.append(proc)
+        self._finalizer = weakref.finalize(self, _kill, self.procs)
+        self.max_rows, self.k = config.max_num_seqs, k
+        try:
+            ready = self._reports(n, config.startup_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.log.info("pipeline_ready", stages=n, pids=[p.pid for p in self.procs],
+                      steps=[r.num_steps for r in ready])
+
+    def check_alive(self) -> None:
+        for i, p in enumerate(self.procs):
+            code = p.poll()
+            if code is not None:
+                raise EngineDeadError(f"pipeline stage {i} (pid {p.pid}) exited with code {code}")
+
+    def _reports(self, n: int, timeout_s: float) -> list[StageReport]:
+        """One report from each stage, by rank; EngineDeadError if a stage dies or fails first."""
+        got: dict[int, StageReport] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < n:
+            if self.reports.poll(int(POLL_S * 1000)):
+                report = msgspec.msgpack.decode(self.reports.recv(), type=StageReport)
+                if report.error:
+                    raise EngineDeadError(f"pipeline stage {report.rank} failed: {report.error}")
+                got[report.rank] = report
+                continue
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"pipeline stages {sorted(set(range(n)) - set(got))} did not answer "
+                                      f"within {timeout_s} s")
+        return [got[r] for r in range(n)]
+
+    def _send(self, cmd: RunStep | Digest | Stop) -> None:
+        data = msgspec.msgpack.encode(cmd)
+        for sock in self.commands:
+            sock.send(data)
+
+    def launch(self, frame: StepFrame) -> PendingStep:
+        self._send(RunStep(frame))
+        return PendingStep(lambda: self._collect(frame))
+
+    def execute(self, frame: StepFrame) -> StepResult:
+        return self.launch(frame).result()
+
+    def _collect(self, frame: StepFrame) -> StepResult:
+        """The last stage's frame for `frame`, as a StepResult the ledger applies."""
+        while True:
+            try:
+                got = self.results.recv_frame(timeout_s=POLL_S)
+            except TimeoutError:
+                self.check_alive()
+                continue
+            return result_from_frame(frame, got)
+
+    def digests(self) -> list[StageReport]:
+        """Each stage's digest of the frame metadata of every step it ran (call between steps)."""
+        self._send(Digest())
+        return self._reports(len(self.procs), 30.0)
+
+    def close(self) -> None:
+        if self.ctx.closed:
+            return
+        try:
+            self._send(Stop())
+        except zmq.ZMQError:
+            pass
+        deadline = time.monotonic() + STOP_WAIT_S
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        _kill(self.procs)
+        self.results.close()
+        self.ctx.destroy(linger=0)
