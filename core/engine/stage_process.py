@@ -26,7 +26,7 @@ import zmq
 from .. import log, registry
 from ..config import EngineConfig
 from ..kernel.frame import StepFrame
-from ..kernel.token_frames import FrameMismatchError, frame_from_result, frame_meta
+from ..kernel.token_frames import FrameMismatchError, frame_from_result, frame_meta, meta_digest
 from ..models.loader import load_model
 from ..platform import parse_dtype
 from ..runner.stage_runner import HiddenLink, StageRunner, StageSlice, split_layers
@@ -127,8 +127,7 @@ class Stage:
 
     def run_step(self, frame: StepFrame) -> None:
         meta = frame_meta(frame, self.max_rows, self.k)
-        self.digest.update(msgspec.msgpack.encode([meta.step_id, meta.req_ids.tolist(), meta.generations.tolist(),
-                                                   meta.slots.tolist(), meta.kinds.tolist()]))
+        meta_digest(self.digest, meta)
         self.num_steps += 1
         if self.slice.first and not self.slice.last:
             need = max((r.prev_step_id for r in frame.rows), default=-1)

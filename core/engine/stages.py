@@ -10,10 +10,12 @@ exits fails the step with EngineDeadError naming it, and `close` leaves no stage
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from typing import Any
@@ -26,7 +28,7 @@ from ..config import EngineConfig
 from ..errors import EngineDeadError
 from ..kernel.frame import StepFrame, StepResult
 from ..kernel.kv_plan import KvPlan
-from ..kernel.token_frames import result_from_frame
+from ..kernel.token_frames import frame_meta, meta_digest, result_from_frame
 from ..runner.model_runner import PendingStep
 from .check import Checked
 from .stage_process import Digest, RunStep, StageBootstrap, StageReport, Stop
@@ -94,6 +96,10 @@ class Pipeline:
             self.procs.append(proc)
         self._finalizer = weakref.finalize(self, _kill, self.procs)
         self.max_rows, self.k = config.max_num_seqs, k
+        self.digest = hashlib.sha256()
+        self.lock = threading.Lock()
+        """The command sockets are shared by the runner thread (steps) and callers of `digests`."""
+        """The core's own digest of every frame's metadata, as the stages compute theirs."""
         try:
             ready = self._reports(n, config.startup_timeout_s)
         except BaseException:
@@ -131,7 +137,9 @@ class Pipeline:
             sock.send(data)
 
     def launch(self, frame: StepFrame) -> PendingStep:
-        self._send(RunStep(frame))
+        with self.lock:
+            meta_digest(self.digest, frame_meta(frame, self.max_rows, self.k))
+            self._send(RunStep(frame))
         return PendingStep(lambda: self._collect(frame))
 
     def execute(self, frame: StepFrame) -> StepResult:
@@ -147,19 +155,25 @@ class Pipeline:
                 continue
             return result_from_frame(frame, got)
 
-    def digests(self) -> list[StageReport]:
-        """Each stage's digest of the frame metadata of every step it ran (call between steps)."""
-        self._send(Digest())
-        return self._reports(len(self.procs), 30.0)
+    def digests(self) -> tuple[list[StageReport], str]:
+        """Each stage's digest of the frame metadata of every step it ran, and the core's own
+        over the frames it sent until then (the runner thread may launch meanwhile)."""
+        with self.lock:
+            self._send(Digest())
+            mine = self.digest.hexdigest()
+        return self._reports(len(self.procs), 30.0), mine
 
     def close(self) -> None:
         if self.ctx.closed:
             return
         try:
-            self._send(Stop())
+            with self.lock:
+                self._send(Stop())
         except zmq.ZMQError:
             pass
-        deadline = time.monotonic() + STOP_WAIT_S
+        # A stage that died leaves its peers blocked on it: no grace then, they are killed at once.
+        grace = 0.0 if any(p.poll() is not None for p in self.procs) else STOP_WAIT_S
+        deadline = time.monotonic() + grace
         for p in self.procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))

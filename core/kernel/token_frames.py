@@ -8,6 +8,8 @@ built for or not at all.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import numpy as np
 
@@ -30,6 +32,12 @@ def frame_meta(step: StepFrame, max_rows: int, max_k: int) -> TokenFrame:
     frame.slots[:n] = [r.slot for r in step.rows]
     frame.kinds[:n] = [PLACEHOLDER if r.sampling is None else SAMPLED for r in step.rows]
     return frame
+
+
+def meta_digest(digest: Any, frame: TokenFrame) -> None:
+    """Folds a frame's metadata into a running hash: ranks that ran the same steps agree on it."""
+    digest.update(msgspec.msgpack.encode([frame.step_id, frame.req_ids.tolist(), frame.generations.tolist(),
+                                          frame.slots.tolist(), frame.kinds.tolist()]))
 
 
 def frame_from_result(step: StepFrame, result: StepResult, max_rows: int, max_k: int) -> TokenFrame:
