@@ -51,8 +51,13 @@ from ..wire.messages import (
     check_wire,
 )
 from .check import Checked, check, check_pipeline
+from .data_parallel import DataParallelGroup
 from .stages import Pipeline
 from .speculation import Speculation, build_speculator, check_speculator
+
+
+IDLE_VOTE_S = 0.05
+"""Data parallelism with no work on any rank: how long a rank waits for a message between votes."""
 
 
 class InFlight(NamedTuple):
@@ -103,6 +108,12 @@ class EngineCore:
         self.governor = SpecGovernor() if config.adaptive_speculation and spec is not None else None
         if self.governor is not None:
             self.scheduler.draft_gate = self.governor.allow
+        self.dp: DataParallelGroup | None = None
+        self.dp_votes: list[tuple[bool, bool]] = []
+        """Per step of a data-parallel rank: (this rank could skip drafts, the ranks agreed to)."""
+        if config.data_parallel_size > 1:
+            self.dp = DataParallelGroup(config.data_parallel_rank, config.data_parallel_size,
+                                        config.data_parallel_port)
         self.seeds = np.random.default_rng(config.seed)
         self.inbox: deque[FrontendMessage | Malformed] = deque()
         self.wakeup: anyio.Event | None = None  # made inside the loop that runs the core
@@ -323,6 +334,12 @@ class EngineCore:
         At depth 2 frame N+1 is scheduled and launched while frame N runs; results are applied
         in step order all the same. With nothing to run, the loop sleeps until a message comes."""
         self.wakeup = anyio.Event()
+        if self.dp is not None:
+            try:
+                await self._run_data_parallel(emit, self.dp)
+            finally:
+                self.close()
+            return
         depth = self.pipeline_depth()
         in_flight: deque[InFlight] = deque()
         runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speckernel-runner")
@@ -345,6 +362,36 @@ class EngineCore:
         finally:
             runner.shutdown(wait=True, cancel_futures=True)
             self.close()
+
+    async def _run_data_parallel(self, emit: Callable[[CoreMessage], Awaitable[None]], dp: DataParallelGroup) -> None:
+        """Lockstep with the other ranks: each turn schedules a frame (or none: a dummy step),
+        joins the one all-reduce, runs the frame with the agreed K=0 flag, applies it. With no
+        work anywhere the ranks wait a little for messages, then vote again; a rank told to shut
+        down makes them all stop at the same turn."""
+        while True:
+            await self._answer_inbox(emit)
+            frame = self.scheduler.schedule() if self.running else None
+            can_skip = frame is None or frame.skip_drafts or self.scheduler.spec is None
+            agreed = await anyio.to_thread.run_sync(
+                dp.agree, len(frame.rows) if frame is not None else 0, not can_skip,
+                frame is not None or bool(self.scheduler.requests), not self.running)
+            if agreed.stopping:
+                return
+            self.dp_votes.append((can_skip, agreed.skip_drafts))
+            if frame is not None:
+                if self.scheduler.spec is not None and frame.skip_drafts and not agreed.skip_drafts:
+                    frame = msgspec.structs.replace(frame, skip_drafts=False)  # another rank drafts: so does this
+                self.ledger.submit(frame)
+                started = time.perf_counter()
+                result = await anyio.to_thread.run_sync(self.execute, frame)
+                deltas = self._apply(result, frame, started)
+                if deltas:
+                    await emit(CoreOutputs(deltas))
+            elif agreed.any_work:
+                dp.num_dummy_steps += 1  # nothing here; the step is the vote (graphs would pad a dummy batch)
+            else:
+                with anyio.move_on_after(IDLE_VOTE_S):
+                    await self._idle()
 
     def pipeline_depth(self) -> int:
         """Frames in flight at once: 2 with async scheduling, where requests can run ahead. A
