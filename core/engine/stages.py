@@ -131,10 +131,20 @@ class Pipeline:
                                       f"within {timeout_s} s")
         return [got[r] for r in range(n)]
 
-    def _send(self, cmd: RunStep | Digest | Stop) -> None:
+    def _send(self, cmd: RunStep | Digest | Stop, check: bool = True) -> None:
+        """To every stage. A PUSH socket whose stage is gone would block for ever: sends never
+        wait, and while one cannot go out the stages are checked (a dead one raises)."""
         data = msgspec.msgpack.encode(cmd)
         for sock in self.commands:
-            sock.send(data)
+            while True:
+                try:
+                    sock.send(data, zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    if not check:
+                        break
+                    self.check_alive()
+                    time.sleep(POLL_S / 10)
 
     def launch(self, frame: StepFrame) -> PendingStep:
         with self.lock:
@@ -168,7 +178,7 @@ class Pipeline:
             return
         try:
             with self.lock:
-                self._send(Stop())
+                self._send(Stop(), check=False)
         except zmq.ZMQError:
             pass
         # A stage that died leaves its peers blocked on it: no grace then, they are killed at once.

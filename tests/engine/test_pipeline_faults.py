@@ -58,13 +58,14 @@ async def test_killed_stage_fails_every_request_naming_it() -> None:
             else:
                 results[i] = ("finished", time.monotonic())
 
-        async with anyio.create_task_group() as tg:
-            for i in range(3):
-                tg.start_soon(one, i)
-            await started.wait()
-            await anyio.sleep(0.3)
-            os.kill(stages[1], signal.SIGKILL)
-            killed_at.append(time.monotonic())
+        with anyio.fail_after(60):  # a missed death would leave the requests waiting for ever
+            async with anyio.create_task_group() as tg:
+                for i in range(3):
+                    tg.start_soon(one, i)
+                await started.wait()
+                await anyio.sleep(0.3)
+                os.kill(stages[1], signal.SIGKILL)
+                killed_at.append(time.monotonic())
         for _i, (err, when) in results.items():
             assert isinstance(err, EngineDeadError), err
             assert "pipeline stage 1" in str(err)
