@@ -240,6 +240,7 @@ class EngineCore:
             "kv_blocks_total": blocks.num_blocks,
             "kv_blocks_free": blocks.num_free,
             "uptime_s": time.monotonic() - self.started,
+            **self._parallel_stats(),
             "spec": self.ledger.spec.summary() | {
                 "speculator": self.config.speculator,
                 "num_speculative_tokens": self.scheduler.spec.num_speculative_tokens if self.scheduler.spec else 0,
@@ -248,6 +249,19 @@ class EngineCore:
                 "num_governor_vetoes": self.governor.num_vetoed if self.governor is not None else 0,
             },
         }
+
+    def _parallel_stats(self) -> dict[str, Any]:
+        """Per stage: the seconds it ran steps (the rest were bubbles); per rank: dummy steps."""
+        found: dict[str, Any] = {}
+        if isinstance(self.runner, Pipeline):
+            reports, _ = self.runner.digests()
+            found["pipeline"] = {"stages": len(reports), "busy_s": [r.busy_s for r in reports],
+                                 "num_steps": [r.num_steps for r in reports]}
+        if self.dp is not None:
+            found["data_parallel"] = {"rank": self.dp.rank, "size": self.dp.size,
+                                      "num_dummy_steps": self.dp.num_dummy_steps,
+                                      "num_k0_agreed": sum(agreed for _, agreed in self.dp_votes)}
+        return found
 
     # --- stepping ---------------------------------------------------------------------------
 

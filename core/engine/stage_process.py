@@ -71,6 +71,8 @@ class StageReport(msgspec.Struct, frozen=True, kw_only=True):
     meta_digest: str = ""
     """sha256 over the TokenFrame metadata of every step this stage ran."""
     error: str = ""
+    busy_s: float = 0.0
+    """Seconds this stage spent running steps (the rest of its time it waited: the bubbles)."""
 
 
 def _watch_parent(parent: int) -> None:
@@ -124,8 +126,16 @@ class Stage:
         self.seen = -1
         self.digest = hashlib.sha256()
         self.num_steps = 0
+        self.busy_s = 0.0
 
     def run_step(self, frame: StepFrame) -> None:
+        started = time.perf_counter()
+        try:
+            self._run_step(frame)
+        finally:
+            self.busy_s += time.perf_counter() - started
+
+    def _run_step(self, frame: StepFrame) -> None:
         meta = frame_meta(frame, self.max_rows, self.k)
         meta_digest(self.digest, meta)
         self.num_steps += 1
@@ -147,7 +157,8 @@ class Stage:
                 self.to_first.send_frame(out)
 
     def report(self, ready: bool = False) -> StageReport:
-        return StageReport(rank=self.rank, ready=ready, num_steps=self.num_steps, meta_digest=self.digest.hexdigest())
+        return StageReport(rank=self.rank, ready=ready, num_steps=self.num_steps, meta_digest=self.digest.hexdigest(),
+                           busy_s=self.busy_s)
 
 
 def main() -> None:
