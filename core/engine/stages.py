@@ -29,9 +29,8 @@ from ..errors import EngineDeadError
 from ..kernel.frame import StepFrame, StepResult
 from ..kernel.kv_plan import KvPlan
 from ..kernel.token_frames import frame_meta, meta_digest, result_from_frame
-from ..runner.model_runner import PendingStep
 from .check import Checked
-from .stage_process import Digest, RunStep, StageBootstrap, StageReport, Stop
+from .stage_messages import Digest, RunStep, StageBootstrap, StageReport, Stop
 
 POLL_S = 0.1
 """How often a wait for a frame looks at the stage processes (a dead one is seen within this)."""
@@ -43,6 +42,17 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+class PendingFrame:
+    """A step handed to the stages: its result once the last stage's frame is in."""
+
+    def __init__(self, collect: Any) -> None:
+        self.collect = collect
+
+    def result(self) -> StepResult:
+        result: StepResult = self.collect()
+        return result
 
 
 def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -146,11 +156,11 @@ class Pipeline:
                     self.check_alive()
                     time.sleep(POLL_S / 10)
 
-    def launch(self, frame: StepFrame) -> PendingStep:
+    def launch(self, frame: StepFrame) -> PendingFrame:
         with self.lock:
             meta_digest(self.digest, frame_meta(frame, self.max_rows, self.k))
             self._send(RunStep(frame))
-        return PendingStep(lambda: self._collect(frame))
+        return PendingFrame(lambda: self._collect(frame))
 
     def execute(self, frame: StepFrame) -> StepResult:
         return self.launch(frame).result()

@@ -19,7 +19,8 @@ from anyio.abc import TaskGroup
 
 from ..config import EngineConfig
 from ..wire.messages import AbortRequests, AddRequest, CoreMessage, CoreOutputs, CoreReady, FrontendMessage, Shutdown
-from .client import CoreClient, InprocClient, ProcessClient
+from collections.abc import Callable
+from typing import Any
 
 
 def free_port() -> int:
@@ -29,12 +30,14 @@ def free_port() -> int:
         return port
 
 
-class DataParallelClient(CoreClient):
-    def __init__(self, config: EngineConfig) -> None:
+class DataParallelClient:
+    """A CoreClient (by its methods) over one client per rank, made by `make` (the frontend's
+    in-process or process client)."""
+
+    def __init__(self, config: EngineConfig, make: Callable[[EngineConfig], Any]) -> None:
         port = config.data_parallel_port or free_port()
-        kind = InprocClient if config.in_process else ProcessClient
-        self.ranks: list[CoreClient] = [
-            kind(msgspec.structs.replace(config, data_parallel_rank=r, data_parallel_port=port))
+        self.ranks: list[Any] = [
+            make(msgspec.structs.replace(config, data_parallel_rank=r, data_parallel_port=port))
             for r in range(config.data_parallel_size)]
         self.owner: dict[int, int] = {}
         """Request key -> the rank that serves it, while it runs."""
