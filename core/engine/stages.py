@@ -108,6 +108,7 @@ class Pipeline:
         self.max_rows, self.k = config.max_num_seqs, k
         self.digest = hashlib.sha256()
         self.lock = threading.Lock()
+        self.last_reports: list[StageReport] = []
         """The command sockets are shared by the runner thread (steps) and callers of `digests`."""
         """The core's own digest of every frame's metadata, as the stages compute theirs."""
         try:
@@ -178,10 +179,13 @@ class Pipeline:
     def digests(self) -> tuple[list[StageReport], str]:
         """Each stage's digest of the frame metadata of every step it ran, and the core's own
         over the frames it sent until then (the runner thread may launch meanwhile)."""
+        if self.ctx.closed:  # stopped: what the stages said last
+            return self.last_reports, self.digest.hexdigest()
         with self.lock:
             self._send(Digest())
             mine = self.digest.hexdigest()
-        return self._reports(len(self.procs), 30.0), mine
+        self.last_reports = self._reports(len(self.procs), 30.0)
+        return self.last_reports, mine
 
     def close(self) -> None:
         if self.ctx.closed:
