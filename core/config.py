@@ -65,6 +65,20 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Copy draft IDs to the host after every drafting step even when the speculator's fixed
     width makes it unnecessary (benchmarks measure what avoiding the copy saves)."""
 
+    pipeline_parallel_size: Positive = 1
+    """Stage processes the target's layers are split over (contiguous slices, one per stage),
+    started by the engine core with torch.distributed's env:// rendezvous on the platform's
+    `dist_backend`; 1 runs the whole model in the engine core."""
+    pipeline_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """The stages' rendezvous port (MASTER_PORT) on this host; 0 takes a free one."""
+    data_parallel_size: Positive = 1
+    """Engine-core ranks behind the frontend, each with its own model and requests; every step
+    they agree in one all-reduce on the padded batch size and on skipping drafts."""
+    data_parallel_rank: Annotated[int, msgspec.Meta(ge=0, le=MAX_INT32)] = 0
+    """This core's rank (the frontend sets it for each core it starts)."""
+    data_parallel_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """Where the ranks meet (rank 0 listens); the frontend picks a free one."""
+
     def validate(self) -> EngineConfig:
         """The same config with exact types within each field's bounds (numpy scalars become
         int), or InvalidInputError naming the field: a bool or float where an int belongs, a

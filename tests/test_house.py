@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("runner",),
     ("kit",),
     ("engine",),
-    ("frontend", "conformance"),
+    ("frontend", "conformance", "testing"),
     ("tools",),
     ("__init__", "__main__"),
 ]

@@ -29,7 +29,10 @@ class InprocTransport:
         if not stash.empty():
             return stash.get_nowait()
         while True:
-            msg = self.inbox.get(timeout=timeout_s)
+            try:
+                msg = self.inbox.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"no {want.__name__} within {timeout_s} s") from None
             if isinstance(msg, want):
                 return msg
             (self.hidden if isinstance(msg, HiddenStates) else self.frames).put(msg)  # type: ignore[arg-type]

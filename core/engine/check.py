@@ -13,6 +13,7 @@ accepted.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -82,8 +83,37 @@ def check(config: EngineConfig, spell: Spell = field_name) -> Checked:
                                     f"at most {max_k} tokens per step; got {k}")
         options = parse_options(config.speculator, cls.Options, dict(config.speculator_options))
     path = resolve(config.model)
+    if config.pipeline_parallel_size > 1:
+        check_pipeline(config, read_config(path).num_layers, cls, spell)
     return Checked(config=config, path=path, max_model_len=context_limit(config, path),
                    speculator=cls, options=options)
+
+
+def check_pipeline(config: EngineConfig, num_layers: int, cls: Any, spell: Spell = field_name,
+                   caps: Any = None) -> None:
+    """Pipeline stages: at most one per layer, a drafter that can live on the last stage (its
+    placement, and its needs of the target: KV of every layer is spread over the stages), a
+    rendezvous port that is free. `caps`: the speculator's capabilities for this target, where
+    they are known (the core passes them; the class's own are checked otherwise)."""
+    pp = config.pipeline_parallel_size
+    if pp > num_layers:
+        raise InvalidInputError(f"{spell('pipeline_parallel_size')}: {pp} stages for a model of {num_layers} "
+                                "layers; at most one stage per layer")
+    if cls is not None:
+        caps = caps if caps is not None else cls.capabilities
+        if caps.placement != "local_last_stage":
+            raise InvalidInputError(f"speculator {config.speculator!r} has placement {caps.placement!r}; "
+                                    f"{spell('pipeline_parallel_size')} {pp} serves only 'local_last_stage' "
+                                    "drafters (they run on the last stage)")
+        if caps.uses_target_kv:
+            raise InvalidInputError(f"speculator {config.speculator!r} reads the target's KV cache, which "
+                                    f"{spell('pipeline_parallel_size')} {pp} spreads over the stages")
+    if config.pipeline_port:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", config.pipeline_port))
+            except OSError as e:
+                raise InvalidInputError(f"{spell('pipeline_port')} {config.pipeline_port}: {e.strerror}") from None
 
 
 def _check_platform(name: str | None) -> None:

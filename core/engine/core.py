@@ -7,7 +7,6 @@ deltas go out. The same object serves in-process embedding and its own process.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -17,7 +16,6 @@ from typing import Any, NamedTuple
 import anyio
 import msgspec
 import numpy as np
-import torch
 
 from .. import log, registry
 from ..config import EngineConfig
@@ -36,7 +34,7 @@ from ..models.loader import load_model
 from ..models.paged import kv_bytes_per_block
 from ..ops.jit_watch import WATCH as JIT_WATCH
 from ..platform import parse_dtype
-from ..plugin import Speculator, SpeculatorCapabilities, SpeculatorContext
+from ..plugin import Speculator, SpeculatorCapabilities
 from ..runner.model_runner import ModelRunner, PendingStep
 from ..runner.step_graphs import StepGraphs, prefill_buckets, warm_eager
 from ..wire.messages import (
@@ -53,16 +51,13 @@ from ..wire.messages import (
     UtilityResult,
     check_wire,
 )
-from .check import Checked, check
+from .check import Checked, check, check_pipeline
+from .data_parallel import DataParallelGroup
+from .speculation import Speculation, build_speculator, check_speculator
+from .stages import Pipeline
 
-
-class Speculation(NamedTuple):
-    """The speculator as checked at start: its class, the context it is built with, and what it
-    declares for this target."""
-
-    cls: Any
-    ctx: SpeculatorContext
-    caps: SpeculatorCapabilities
+IDLE_VOTE_S = 0.05
+"""Data parallelism with no work on any rank: how long a rank waits for a message between votes."""
 
 
 class InFlight(NamedTuple):
@@ -95,30 +90,33 @@ class EngineCore:
             draft_kv_bytes_per_token=spec.cls.draft_kv_bytes_per_token(spec.ctx) if spec is not None else 0,
             budget_bytes=self.platform.kv_budget_bytes)
         self.max_model_len = kv.max_model_len
-        model = load_model(checked.path, self.dtype, self.platform.device, kv.max_model_len + kv.lookahead_slots)
-        self.speculator = self._build_speculator(spec, kv) if spec is not None else None
         attention = self.platform.attention_backend(config.block_size, config.max_num_batched_tokens,
                                                     max_rows=config.max_num_seqs + 1,
                                                     max_blocks=kv.blocks_per_request(k))
         policy = spec_policy(caps, attention, config)
-        self.runner = ModelRunner(model, self.platform.device, kv.num_blocks, config.block_size, attention,
-                                  num_slots=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  speculator=self.speculator, num_speculative_tokens=k,
-                                  use_triton=self.platform.capabilities.triton,
-                                  force_host_drafts=config.force_host_drafts,
-                                  max_num_tokens=config.max_num_batched_tokens,
-                                  run_ahead=policy is not None and policy.run_ahead)
-        if self.platform.capabilities.triton:
-            model.use_triton_ops(True)
-        self.runner.graphs = self._capture_graphs(caps, k)
-        self._warm_kernels(k)
+        pipeline = config.pipeline_parallel_size > 1
+        self.speculator = None
+        self.runner: ModelRunner | Pipeline
+        if pipeline:
+            # The stages hold the weights, the KV and the drafter; the core keeps the requests.
+            if policy is not None:  # the first stage learns a step's drafts from its frame, never ahead of it
+                policy = msgspec.structs.replace(policy, run_ahead=False)
+            self.runner = Pipeline(config, checked, kv, k)
+        else:
+            self.runner = self._local_runner(checked, spec, kv, k, attention, policy)
         self.scheduler = Scheduler(BlockManager(kv.num_blocks, config.block_size),
                                    config.max_num_seqs, config.max_num_batched_tokens, policy,
-                                   async_scheduling=config.async_scheduling)
+                                   async_scheduling=config.async_scheduling, pipeline=pipeline)
         self.ledger = Ledger(self.scheduler)
         self.governor = SpecGovernor() if config.adaptive_speculation and spec is not None else None
         if self.governor is not None:
             self.scheduler.draft_gate = self.governor.allow
+        self.dp: DataParallelGroup | None = None
+        self.dp_votes: list[tuple[bool, bool]] = []
+        """Per step of a data-parallel rank: (this rank could skip drafts, the ranks agreed to)."""
+        if config.data_parallel_size > 1:
+            self.dp = DataParallelGroup(config.data_parallel_rank, config.data_parallel_size,
+                                        config.data_parallel_port)
         self.seeds = np.random.default_rng(config.seed)
         path = checked.path
         self.grammars = Grammars(lambda: load_tokenizer(path).tok.to_str(), self.model_cfg.vocab_size,
@@ -134,47 +132,48 @@ class EngineCore:
         self.log.info("engine_core_ready", platform=self.platform.name, dtype=str(self.dtype),
                       num_kv_blocks=kv.num_blocks, max_model_len=self.max_model_len, model=str(checked.path))
 
+    def _local_runner(self, checked: Checked, spec: Speculation | None, kv: KvPlan, k: int,
+                      attention: Any, policy: Any) -> ModelRunner:
+        """The whole target in this process: weights, speculator, runner, graphs."""
+        config = self.config
+        model = load_model(checked.path, self.dtype, self.platform.device, kv.max_model_len + kv.lookahead_slots)
+        self.speculator = self._build_speculator(spec, kv) if spec is not None else None
+        runner = ModelRunner(model, self.platform.device, kv.num_blocks, config.block_size, attention,
+                             num_slots=config.max_num_seqs, max_model_len=self.max_model_len,
+                             speculator=self.speculator, num_speculative_tokens=k,
+                             use_triton=self.platform.capabilities.triton,
+                             force_host_drafts=config.force_host_drafts,
+                             max_num_tokens=config.max_num_batched_tokens,
+                             run_ahead=policy is not None and policy.run_ahead)
+        if self.platform.capabilities.triton:
+            model.use_triton_ops(True)
+        self.runner = runner
+        runner.graphs = self._capture_graphs(spec.caps if spec is not None else None, k)
+        self._warm_kernels(k)
+        return runner
+
+    def close(self) -> None:
+        """Stops what the core started (the pipeline's stage processes)."""
+        if isinstance(self.runner, Pipeline):
+            self.runner.close()
+
     def _check_speculator(self, checked: Checked) -> Speculation | None:
-        """The named speculator's own checks against this target, and its capabilities for it."""
-        cls = checked.speculator
-        if cls is None:
+        """The named speculator's own checks against this target, and what it declares for it."""
+        spec = check_speculator(checked, self.model_cfg, self.platform, self.dtype)
+        if spec is None:
             return None
-        name = self.config.speculator
-        ctx = SpeculatorContext(
-            target=self.model_cfg, target_path=checked.path, device=self.platform.device, dtype=self.dtype,
-            block_size=self.config.block_size, max_model_len=checked.max_model_len,
-            num_speculative_tokens=self.config.num_speculative_tokens, options=checked.options,
-            draft_model=self.config.draft_model)
-        cls.check(ctx)
-        # SpeculatorBase (every built-in) has capabilities_for; a plugin written to the protocol
-        # before it gained the classmethod declares only `capabilities`.
-        caps: SpeculatorCapabilities = cls.capabilities_for(ctx) if hasattr(cls, "capabilities_for") \
-            else cls.capabilities
-        num_layers = self.model_cfg.num_layers
-        bad_layers = [layer for layer in caps.target_hidden_layers if not 0 <= layer < num_layers]
-        if bad_layers:
-            raise InvalidInputError(f"speculator {name!r} needs hidden states of layers {bad_layers}; "
-                                    f"the target has {num_layers}")
+        if self.config.pipeline_parallel_size > 1:  # what the class declared was checked before; now this target's
+            check_pipeline(self.config, self.model_cfg.num_layers, spec.cls, caps=spec.caps)
+        caps = spec.caps
         # A `remote` speculator runs its drafter elsewhere: the kernel serves it as any host-side one.
         if caps.deferred and (caps.draft_width != "fixed" or caps.device_only or caps.sampled_drafts):
-            raise InvalidInputError(f"speculator {name!r} declares deferred drafts, which the kernel resolves "
-                                    "for fixed-width, host-side speculators without draft probabilities only")
-        return Speculation(cls, ctx, caps)
+            raise InvalidInputError(f"speculator {self.config.speculator!r} declares deferred drafts, which the "
+                                    "kernel resolves for fixed-width, host-side speculators without draft "
+                                    "probabilities only")
+        return spec
 
     def _build_speculator(self, spec: Speculation, kv: KvPlan) -> Speculator:
-        """The speculator, built with the cache it shares: the context held, the block count, its
-        draft-KV memory and an attention backend of its own."""
-        config = self.config
-        draft_kv = None
-        if kv.draft_kv_bytes:
-            draft_kv = torch.zeros(kv.draft_kv_bytes, dtype=torch.uint8, device=self.platform.device)
-        ctx = dataclasses.replace(
-            spec.ctx, max_model_len=kv.max_model_len, num_kv_blocks=kv.num_blocks, draft_kv=draft_kv,
-            attention=self.platform.attention_backend(config.block_size, config.max_num_batched_tokens),
-            num_slots=config.max_num_seqs + 1, fused_kernels=self.platform.capabilities.triton,
-            host_gate=self.platform.host_gate, pin_memory=self.platform.device.type != "cpu")
-        speculator: Speculator = spec.cls(ctx)
-        return speculator
+        return build_speculator(self.config, spec, self.platform, kv.max_model_len, kv.num_blocks, kv.draft_kv_bytes)
 
     def _capture_graphs(self, caps: SpeculatorCapabilities | None, k: int) -> StepGraphs | None:
         """Device graphs of decode and verification steps (verify width 0 or K) and of lone
@@ -292,6 +291,7 @@ class EngineCore:
             "kv_blocks_total": blocks.num_blocks,
             "kv_blocks_free": blocks.num_free,
             "uptime_s": time.monotonic() - self.started,
+            **self._parallel_stats(),
             "spec": self.ledger.spec.summary() | {
                 "speculator": self.config.speculator,
                 "num_speculative_tokens": self.scheduler.spec.num_speculative_tokens if self.scheduler.spec else 0,
@@ -302,6 +302,19 @@ class EngineCore:
                 "plugin": _plugin_stats(self.speculator),
             },
         }
+
+    def _parallel_stats(self) -> dict[str, Any]:
+        """Per stage: the seconds it ran steps (the rest were bubbles); per rank: dummy steps."""
+        found: dict[str, Any] = {}
+        if isinstance(self.runner, Pipeline):
+            reports, _ = self.runner.digests()
+            found["pipeline"] = {"stages": len(reports), "busy_s": [r.busy_s for r in reports],
+                                 "num_steps": [r.num_steps for r in reports]}
+        if self.dp is not None:
+            found["data_parallel"] = {"rank": self.dp.rank, "size": self.dp.size,
+                                      "num_dummy_steps": self.dp.num_dummy_steps,
+                                      "num_k0_agreed": sum(agreed for _, agreed in self.dp_votes)}
+        return found
 
     # --- stepping ---------------------------------------------------------------------------
 
@@ -389,6 +402,12 @@ class EngineCore:
         At depth 2 frame N+1 is scheduled and launched while frame N runs; results are applied
         in step order all the same. With nothing to run, the loop sleeps until a message comes."""
         self.wakeup = anyio.Event()
+        if self.dp is not None:
+            try:
+                await self._run_data_parallel(emit, self.dp)
+            finally:
+                self.close()
+            return
         depth = self.pipeline_depth()
         in_flight: deque[InFlight] = deque()
         runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speckernel-runner")
@@ -413,12 +432,45 @@ class EngineCore:
         finally:
             runner.shutdown(wait=True, cancel_futures=True)
             self.grammars.close()
+            self.close()
+
+    async def _run_data_parallel(self, emit: Callable[[CoreMessage], Awaitable[None]], dp: DataParallelGroup) -> None:
+        """Lockstep with the other ranks: each turn schedules a frame (or none: a dummy step),
+        joins the one all-reduce, runs the frame with the agreed K=0 flag, applies it. With no
+        work anywhere the ranks wait a little for messages, then vote again; a rank told to shut
+        down makes them all stop at the same turn."""
+        while True:
+            await self._answer_inbox(emit)
+            frame = self.scheduler.schedule() if self.running else None
+            can_skip = frame is None or frame.skip_drafts or self.scheduler.spec is None
+            agreed = await anyio.to_thread.run_sync(
+                dp.agree, len(frame.rows) if frame is not None else 0, not can_skip,
+                frame is not None or bool(self.scheduler.requests), not self.running)
+            if agreed.stopping:
+                return
+            self.dp_votes.append((can_skip, agreed.skip_drafts))
+            if frame is not None:
+                if self.scheduler.spec is not None and frame.skip_drafts and not agreed.skip_drafts:
+                    frame = msgspec.structs.replace(frame, skip_drafts=False)  # another rank drafts: so does this
+                self.ledger.submit(frame)
+                started = time.perf_counter()
+                result = await anyio.to_thread.run_sync(self.execute, frame)
+                deltas = self._apply(result, frame, started)
+                if deltas:
+                    await emit(CoreOutputs(deltas))
+            elif agreed.any_work:
+                dp.num_dummy_steps += 1  # nothing here; the step is the vote (graphs would pad a dummy batch)
+            else:
+                with anyio.move_on_after(IDLE_VOTE_S):
+                    await self._idle()
 
     def pipeline_depth(self) -> int:
         """Frames in flight at once: 2 with async scheduling, where requests can run ahead. A
         speculative request without run-ahead waits for its frame, and a second frame would then
         hold only the rest of the batch, halving every step."""
         spec = self.scheduler.spec
+        if self.scheduler.pipeline:  # the batch queue: a frame per stage, with async scheduling
+            return self.config.pipeline_parallel_size if self.scheduler.async_scheduling else 1
         return 2 if self.scheduler.async_scheduling and (spec is None or spec.run_ahead) else 1
 
     async def _answer_inbox(self, emit: Callable[[CoreMessage], Awaitable[None]]) -> None:

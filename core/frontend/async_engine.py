@@ -50,6 +50,7 @@ from ..wire.messages import (
 )
 from .client import CoreClient, InprocClient, ProcessClient
 from .detokenizer import IncrementalDetokenizer
+from .dp_client import DataParallelClient
 
 
 def error_from_wire(text: str) -> errors.SpeckernelError:
@@ -89,7 +90,9 @@ class AsyncEngine:
         # Everything knowable without weights fails here, before a process is spawned; a thread,
         # since a built-in model may be fetched.
         path = (await anyio.to_thread.run_sync(check, self.config)).path
-        client: CoreClient = InprocClient(self.config) if self.config.in_process else ProcessClient(self.config)
+        kind = InprocClient if self.config.in_process else ProcessClient
+        client: CoreClient = kind(self.config) if self.config.data_parallel_size == 1 \
+            else DataParallelClient(self.config, kind)  # type: ignore[assignment]
         # Unwinds in reverse: stop the pump, wait for the task group, then free the sockets.
         self._stack.callback(client.release)
         tg = await self._stack.enter_async_context(anyio.create_task_group())

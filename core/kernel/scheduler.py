@@ -23,8 +23,11 @@ from .spec_policy import SpecPolicy
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 spec: SpecPolicy | None = None, async_scheduling: bool = False) -> None:
+                 spec: SpecPolicy | None = None, async_scheduling: bool = False, pipeline: bool = False) -> None:
         self.blocks = block_manager
+        self.pipeline = pipeline
+        """Pipeline stages: several frames in flight whose output the first stage has not seen;
+        see `eligible`. Drafts always reach the host (the next frame carries them to every stage)."""
         self.async_scheduling = async_scheduling
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -53,7 +56,7 @@ class Scheduler:
         is scheduled again at once, with that input as a placeholder. A speculative request does
         so only with run-ahead (drafts that stay on the device): its next step is planned as if
         every draft in flight is accepted."""
-        if not (self.async_scheduling and req.in_flight == 1 and req.num_placeholders == 1
+        if not (self.async_scheduling and not self.pipeline and req.in_flight == 1 and req.num_placeholders == 1
                 and self.may_continue(req)) or req.grammar is not None:  # its mask needs the token
             return False
         if self.spec is None:
@@ -70,10 +73,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.in_flight and not self._can_overlap(req):  # its next input is not known yet
+            if req.in_flight and not self.eligible(req, budget):  # its next input is not known yet
                 i += 1
                 continue
-            if req.in_flight:
+            if req.in_flight and not self.pipelines(req, budget):
                 slots = self._run_ahead_drafts(req, budget)
                 if not self.blocks.ensure(req, self._slots_needed(req, 1 + slots)):
                     i += 1  # no room to run ahead: it waits for its frame like in sync mode
@@ -111,7 +114,7 @@ class Scheduler:
             rows=rows,
             skip_drafts=self._skip_drafts(rows),
             host_drafts=self.spec is not None and (
-                self.spec.variable_width or any(self.requests[r.key].params.structured_output for r in rows)),
+                self.pipeline or self.spec.variable_width or any(self.requests[r.key].params.structured_output for r in rows)),
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec is not None else 0,
         )
         self.next_step_id += 1
@@ -121,6 +124,19 @@ class Scheduler:
                 if row.sampling is not None:
                     self.requests[row.key].num_draft_slots = frame.num_speculative_tokens
         return frame
+
+    def eligible(self, req: Request, budget: int) -> bool:
+        """May a request with frames in flight be scheduled again? The batch queue's rule: a row
+        that samples (a decode row, a final prefill chunk) waits for its predecessor's frame,
+        unless the device corrects it (`_can_overlap`: single-stage run-ahead); an intermediate
+        prefill chunk pipelines freely, since it reads no output of the frames before it."""
+        return self.pipelines(req, budget) or self._can_overlap(req)
+
+    def pipelines(self, req: Request, budget: int) -> bool:
+        """With pipeline stages: the request's next chunk is an intermediate prefill chunk behind
+        frames that sample nothing for it (stages run frames in order, so its KV is written)."""
+        return (self.pipeline and req.num_placeholders == 0
+                and req.num_computed_tokens + budget < req.num_tokens)
 
     def _run_ahead_drafts(self, req: Request, budget: int) -> int:
         """Draft slots a run-ahead row verifies: those its frame in flight proposes, within what

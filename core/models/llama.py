@@ -151,6 +151,31 @@ class LlamaModel(nn.Module):
                 captured[i] = x
         return self.norm(x), captured
 
+    def forward_layers(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, start: int,
+                       layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """A pipeline stage's share: the residual stream x through layers [start, start + len(kv_cache)),
+        with the stream after each of `layers` that falls in it. The plain (unfused) path, so the
+        stage boundary carries one tensor."""
+        cos, sin = self.cos[meta.positions], self.sin[meta.positions]
+        captured: dict[int, torch.Tensor] = {}
+        for j in range(kv_cache.shape[0]):
+            layer = self.layers[start + j]
+            x = layer(x, cos, sin, kv_cache[j], meta)
+            if start + j in layers:
+                captured[start + j] = x
+        return x, captured
+
+    def keep_layers(self, start: int, end: int, embed: bool) -> LlamaModel:
+        """Frees the weights a pipeline stage does not run: layers outside [start, end), and the
+        embedding unless `embed` (the first stage embeds, the last one's head may be tied to it)."""
+        for i in range(len(self.layers)):
+            if not start <= i < end:
+                self.layers[i] = nn.Identity()
+        if not embed:
+            self.embed = nn.Embedding(1, self.cfg.hidden_size, device=self.embed.weight.device,
+                                      dtype=self.embed.weight.dtype)
+        return self
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

@@ -88,11 +88,13 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, device: torch.device, num_blocks: int, block_size: int,
                  attention: AttentionBackend, num_slots: int, max_model_len: int,
                  speculator: Speculator | None = None, num_speculative_tokens: int = 0, use_triton: bool = False,
-                 force_host_drafts: bool = False, max_num_tokens: int = 0, run_ahead: bool = False) -> None:
+                 force_host_drafts: bool = False, max_num_tokens: int = 0, run_ahead: bool = False,
+                 kv_layers: int | None = None) -> None:
         self.model = model
         self.device = device
         self.attention = attention
-        self.kv_cache = new_kv_cache(model.cfg, num_blocks, block_size, model.embed.weight.dtype, device)
+        kv_cfg = model.cfg if kv_layers is None else msgspec.structs.replace(model.cfg, num_layers=kv_layers)
+        self.kv_cache = new_kv_cache(kv_cfg, num_blocks, block_size, model.embed.weight.dtype, device)
         self.speculator = speculator
         self.use_triton = use_triton
         self.force_host_drafts = force_host_drafts
@@ -254,10 +256,7 @@ class ModelRunner:
             self._move_back(meta)
         slot, num_drafts, out_pos = extra[:, SLOT], extra[:, NUM_DRAFTS], extra[:, OUT_POS]
         tokens = self.pool.tokens
-        # -1 (a draft slot a variable-width speculator left empty) reads as any valid id: no
-        # output that depends on it is ever accepted.
-        input_ids = tokens[slot[meta.token_rows], meta.positions].clamp(min=0)
-        hidden, captured = self.model.forward_with_hidden(input_ids, self.kv_cache, meta, self.hidden_layers)
+        hidden, captured = self.forward(meta)
         floats = extra.view(torch.float64)
         st = SamplingTensors(temperature=floats[:, TEMPERATURE].float(), top_k=extra[:, TOP_K],
                              top_p=floats[:, TOP_P].float(), seed=extra[:, SEED], position=extra[:, POSITION],
@@ -288,6 +287,18 @@ class ModelRunner:
             drafts = self._device_speculate(meta, shape, slot, samples, nacc, seq_lens, captured)
         packed = torch.cat([out, nacc[:, None].to(out.dtype)], dim=1)
         return DeviceOutputs(packed, hidden, captured, drafts)
+
+    def input_ids(self, meta: AttentionMetadata) -> torch.Tensor:
+        """The step's input tokens, gathered from the token buffer. -1 (a draft slot a
+        variable-width speculator left empty) reads as any valid id: no output that depends on
+        it is ever accepted."""
+        assert meta.row_extra is not None
+        return self.pool.tokens[meta.row_extra[:, SLOT][meta.token_rows], meta.positions].clamp(min=0)
+
+    def forward(self, meta: AttentionMetadata) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The final-norm hidden states of the step and the captured layers (a pipeline's last
+        stage runs only its own layers, on what the stage before it sent)."""
+        return self.model.forward_with_hidden(self.input_ids(meta), self.kv_cache, meta, self.hidden_layers)
 
     def _move_back(self, meta: AttentionMetadata) -> None:
         """Shifted rows were planned as if their predecessor accepted every draft: their

@@ -65,6 +65,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculator-specific option, e.g. num_layers=8 for draft_model (repeatable)")
     p.add_argument("--adaptive-speculation", action="store_true",
                    help="turn drafting off for batch sizes where measured steps show it does not pay")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
+                   help="split the target's layers over N stage processes (torch.distributed, env://)")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="N engine-core ranks behind one frontend, requests balanced by load")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay captured device graphs (they are captured at start on CUDA)")
 
@@ -118,7 +122,9 @@ def config_from(args: argparse.Namespace) -> EngineConfig:
                         num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
                         skip_drafts=not args.no_skip_drafts, enforce_eager=args.enforce_eager,
                         adaptive_speculation=args.adaptive_speculation,
-                        speculator_options=parse_options(args.speculator_option))
+                        speculator_options=parse_options(args.speculator_option),
+                        pipeline_parallel_size=args.pipeline_parallel_size,
+                        data_parallel_size=args.data_parallel_size)
 
 
 def flag(field: str) -> str:

@@ -10,6 +10,7 @@ SCENARIOS = {
     "accept": "acceptance per speculator on HumanEval",
     "decode": "decode speed at batch 1 and under concurrency, per speculator, next to HF transformers",
     "hostsync": "a fixed-width speculator with and without copying draft IDs to the host",
+    "pp": "pipeline (PP=1,2,4) and data (DP=2) parallelism, with and without a speculator",
     "prefill": "prefill-only requests with and without K=0 steps",
     "remote": "a drafter served in a second process, deferred vs synchronous vs local, with injected round trips",
     "scale": "one decode step of a Llama-3-8B-shaped model against the weight-read floor",
@@ -129,6 +130,18 @@ def prefill_arguments(p: argparse.ArgumentParser) -> None:
     engine_flags(p)
 
 
+def pp_arguments(p: argparse.ArgumentParser) -> None:
+    speculator_flags(p, "repeatable; default: mtp; runs next to none")
+    p.add_argument("--pipeline-sizes", type=int_list, default=[1, 2, 4], help="comma-separated (default: 1,2,4)")
+    p.add_argument("--data-parallel-sizes", type=int_list, default=[2], help="comma-separated (default: 2)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
+    p.add_argument("--num-prompts", type=int, default=8, help="requests per run")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256,
+                   help="token budget per step (smaller: more prefill chunks to pipeline)")
+    engine_flags(p, max_num_seqs=16, max_model_len=1024, process=False)
+
+
 def scale_arguments(p: argparse.ArgumentParser) -> None:
     engine_flags(p, model=None, max_num_seqs=1, max_model_len=None, dtype="bfloat16", process=False)
     p.add_argument("--compare", action="append", default=None,
@@ -156,8 +169,8 @@ def startup_arguments(p: argparse.ArgumentParser) -> None:
 
 
 ARGUMENTS = {"accept": accept_arguments, "decode": decode_arguments, "hostsync": hostsync_arguments,
-             "prefill": prefill_arguments, "remote": remote_arguments, "scale": scale_arguments,
-             "startup": startup_arguments}
+             "prefill": prefill_arguments, "pp": pp_arguments, "remote": remote_arguments,
+             "scale": scale_arguments, "startup": startup_arguments}
 
 
 def serve_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,49 @@
+"""What the engine core and its pipeline stage processes say to each other (msgpack over zmq)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from ..config import EngineConfig
+from ..kernel.frame import StepFrame
+
+
+class StageBootstrap(msgspec.Struct, frozen=True, kw_only=True):
+    config: EngineConfig
+    num_blocks: int
+    max_model_len: int
+    lookahead_slots: int
+    draft_kv_bytes: int
+    commands: list[str]
+    """Per rank: the address its StepFrames come from."""
+    results: str
+    """Where the last stage sends TokenFrames (the engine core binds it)."""
+    reports: str
+    """Where each stage reports (ready, digests)."""
+    threads: int = 0
+
+
+class RunStep(msgspec.Struct, frozen=True, tag=True):
+    frame: StepFrame
+
+
+class Digest(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+class Stop(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+StageCommand = RunStep | Digest | Stop
+
+
+class StageReport(msgspec.Struct, frozen=True, kw_only=True):
+    rank: int
+    ready: bool = False
+    num_steps: int = 0
+    meta_digest: str = ""
+    """sha256 over the TokenFrame metadata of every step this stage ran."""
+    error: str = ""
+    busy_s: float = 0.0
+    """Seconds this stage spent running steps (the rest of its time it waited: the bubbles)."""

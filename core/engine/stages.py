@@ -1,0 +1,208 @@
+"""The engine core's side of pipeline parallelism: starts one stage process per slice of the
+target's layers, hands each a StepFrame per step, and collects the last stage's TokenFrames.
+
+Stages join their torch.distributed group through env:// (MASTER_ADDR, MASTER_PORT, RANK,
+WORLD_SIZE), so the stage code is what `torchrun` would run. The core talks to them over
+ZeroMQ: a PUSH socket per stage for commands, one PULL for their reports, and the zmq transport
+plugin for the token frames. While it waits for a frame it watches the stage processes: one that
+exits fails the step with EngineDeadError naming it, and `close` leaves no stage behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+import msgspec
+import zmq
+
+from .. import log, registry
+from ..config import EngineConfig
+from ..errors import EngineDeadError
+from ..kernel.frame import StepFrame, StepResult
+from ..kernel.kv_plan import KvPlan
+from ..kernel.token_frames import frame_meta, meta_digest, result_from_frame
+from .check import Checked
+from .stage_messages import Digest, RunStep, StageBootstrap, StageReport, Stop
+
+POLL_S = 0.1
+"""How often a wait for a frame looks at the stage processes (a dead one is seen within this)."""
+STOP_WAIT_S = 3.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class PendingFrame:
+    """A step handed to the stages: its result once the last stage's frame is in."""
+
+    def __init__(self, collect: Any) -> None:
+        self.collect = collect
+
+    def result(self) -> StepResult:
+        result: StepResult = self.collect()
+        return result
+
+
+def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        try:
+            p.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class Pipeline:
+    """Duck-types the runner the core's loop drives: `launch` a frame, its PendingStep's result."""
+
+    graphs = None
+
+    def __init__(self, config: EngineConfig, checked: Checked, kv: KvPlan, k: int) -> None:
+        self.log = log.get("pipeline")
+        self.config = config
+        n = config.pipeline_parallel_size
+        self.ctx = zmq.Context()
+        self.commands = []
+        for _ in range(n):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind("tcp://127.0.0.1:*")
+            self.commands.append(sock)
+        self.reports = self.ctx.socket(zmq.PULL)
+        self.reports.setsockopt(zmq.LINGER, 0)
+        self.reports.bind("tcp://127.0.0.1:*")
+        self.results: Any = registry.load("transport", "zmq")("tcp://127.0.0.1:*", bind=True, ctx=self.ctx)
+        boot = StageBootstrap(
+            config=config, num_blocks=kv.num_blocks, max_model_len=kv.max_model_len,
+            lookahead_slots=kv.lookahead_slots, draft_kv_bytes=kv.draft_kv_bytes,
+            commands=[s.getsockopt_string(zmq.LAST_ENDPOINT) for s in self.commands],
+            results=self.results.address, reports=self.reports.getsockopt_string(zmq.LAST_ENDPOINT),
+            threads=max(1, (os.cpu_count() or 1) // n))
+        payload = msgspec.json.encode(boot)
+        port = config.pipeline_port or free_port()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for rank in range(n):
+            env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                                "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n)}
+            proc = subprocess.Popen([sys.executable, "-m", "speckernel.engine.stage_process"],
+                                    stdin=subprocess.PIPE, env=env)
+            assert proc.stdin is not None
+            proc.stdin.write(payload)
+            proc.stdin.close()
+            self.procs.append(proc)
+        self._finalizer = weakref.finalize(self, _kill, self.procs)
+        self.max_rows, self.k = config.max_num_seqs, k
+        self.digest = hashlib.sha256()
+        self.lock = threading.Lock()
+        self.last_reports: list[StageReport] = []
+        """The command sockets are shared by the runner thread (steps) and callers of `digests`."""
+        """The core's own digest of every frame's metadata, as the stages compute theirs."""
+        try:
+            ready = self._reports(n, config.startup_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.log.info("pipeline_ready", stages=n, pids=[p.pid for p in self.procs],
+                      steps=[r.num_steps for r in ready])
+
+    def check_alive(self) -> None:
+        for i, p in enumerate(self.procs):
+            code = p.poll()
+            if code is not None:
+                raise EngineDeadError(f"pipeline stage {i} (pid {p.pid}) exited with code {code}")
+
+    def _reports(self, n: int, timeout_s: float) -> list[StageReport]:
+        """One report from each stage, by rank; EngineDeadError if a stage dies or fails first."""
+        got: dict[int, StageReport] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < n:
+            if self.reports.poll(int(POLL_S * 1000)):
+                report = msgspec.msgpack.decode(self.reports.recv(), type=StageReport)
+                if report.error:
+                    raise EngineDeadError(f"pipeline stage {report.rank} failed: {report.error}")
+                got[report.rank] = report
+                continue
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"pipeline stages {sorted(set(range(n)) - set(got))} did not answer "
+                                      f"within {timeout_s} s")
+        return [got[r] for r in range(n)]
+
+    def _send(self, cmd: RunStep | Digest | Stop, check: bool = True) -> None:
+        """To every stage. A PUSH socket whose stage is gone would block for ever: sends never
+        wait, and while one cannot go out the stages are checked (a dead one raises)."""
+        data = msgspec.msgpack.encode(cmd)
+        for sock in self.commands:
+            while True:
+                try:
+                    sock.send(data, zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    if not check:
+                        break
+                    self.check_alive()
+                    time.sleep(POLL_S / 10)
+
+    def launch(self, frame: StepFrame) -> PendingFrame:
+        with self.lock:
+            meta_digest(self.digest, frame_meta(frame, self.max_rows, self.k))
+            self._send(RunStep(frame))
+        return PendingFrame(lambda: self._collect(frame))
+
+    def execute(self, frame: StepFrame) -> StepResult:
+        return self.launch(frame).result()
+
+    def _collect(self, frame: StepFrame) -> StepResult:
+        """The last stage's frame for `frame`, as a StepResult the ledger applies."""
+        while True:
+            try:
+                got = self.results.recv_frame(timeout_s=POLL_S)
+            except TimeoutError:
+                self.check_alive()
+                continue
+            return result_from_frame(frame, got)
+
+    def digests(self) -> tuple[list[StageReport], str]:
+        """Each stage's digest of the frame metadata of every step it ran, and the core's own
+        over the frames it sent until then (the runner thread may launch meanwhile)."""
+        if self.ctx.closed:  # stopped: what the stages said last
+            return self.last_reports, self.digest.hexdigest()
+        with self.lock:
+            self._send(Digest())
+            mine = self.digest.hexdigest()
+        self.last_reports = self._reports(len(self.procs), 30.0)
+        return self.last_reports, mine
+
+    def close(self) -> None:
+        if self.ctx.closed:
+            return
+        try:
+            with self.lock:
+                self._send(Stop(), check=False)
+        except zmq.ZMQError:
+            pass
+        # A stage that died leaves its peers blocked on it: no grace then, they are killed at once.
+        grace = 0.0 if any(p.poll() is not None for p in self.procs) else STOP_WAIT_S
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        _kill(self.procs)
+        self.results.close()
+        self.ctx.destroy(linger=0)

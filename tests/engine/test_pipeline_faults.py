@@ -1,0 +1,100 @@
+"""Pipeline faults: a killed stage fails every pending request with EngineDeadError naming it
+within 5 s and leaves no process behind; bad pipeline values fail before any weight loads."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from speckernel import AsyncEngine, EngineConfig, EngineDeadError, SamplingParams
+from speckernel.engine.check import check, check_pipeline
+from speckernel.errors import InvalidInputError
+from speckernel.plugin import SpeculatorCapabilities
+from tests.conftest import exited
+
+LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is pid (read from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+async def test_killed_stage_fails_every_request_naming_it() -> None:
+    config = EngineConfig(platform="cpu", max_model_len=512, max_num_seqs=4, pipeline_parallel_size=2)
+    engine = AsyncEngine(config)
+    await engine.__aenter__()
+    try:
+        core_pid = engine._client.proc.pid  # type: ignore[union-attr]
+        stages = [p for p in children(core_pid) if b"stage_process" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(stages) == 2, stages
+        started = anyio.Event()
+        results: dict[int, Any] = {}
+        killed_at: list[float] = []
+
+        async def one(i: int) -> None:
+            try:
+                async for _ in engine.generate([1, 2, 3, 4 + i], LONG):
+                    started.set()
+            except EngineDeadError as e:
+                results[i] = (e, time.monotonic())
+            else:
+                results[i] = ("finished", time.monotonic())
+
+        with anyio.fail_after(60):  # a missed death would leave the requests waiting for ever
+            async with anyio.create_task_group() as tg:
+                for i in range(3):
+                    tg.start_soon(one, i)
+                await started.wait()
+                await anyio.sleep(0.3)
+                os.kill(stages[1], signal.SIGKILL)
+                killed_at.append(time.monotonic())
+        for _i, (err, when) in results.items():
+            assert isinstance(err, EngineDeadError), err
+            assert "pipeline stage 1" in str(err)
+            assert when - killed_at[0] < 5.0
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and not all(exited(p) for p in [*stages, core_pid]):
+            await anyio.sleep(0.1)
+        assert all(exited(p) for p in [*stages, core_pid]), "a process was left behind"
+    finally:
+        await engine.shutdown()
+
+
+class RemoteDrafter:
+    capabilities = SpeculatorCapabilities(draft_width="fixed", supports_k0=True, max_k=4, placement="remote")
+
+
+def test_bad_pipeline_values_fail_before_weights() -> None:
+    with pytest.raises(InvalidInputError, match="at most one stage per layer"):
+        check(EngineConfig(platform="cpu", pipeline_parallel_size=31))
+    with pytest.raises(InvalidInputError, match="pipeline_parallel_size: expected"):
+        check(EngineConfig(platform="cpu", pipeline_parallel_size=0))
+    with pytest.raises(InvalidInputError, match="placement 'remote'"):
+        check_pipeline(EngineConfig(platform="cpu", pipeline_parallel_size=2, speculator="x"), 30, RemoteDrafter)
+    check_pipeline(EngineConfig(platform="cpu", pipeline_parallel_size=1, speculator="x"), 30, None)
+    with pytest.raises(InvalidInputError, match="reads the target's KV cache"):
+        check(EngineConfig(platform="cpu", pipeline_parallel_size=2, speculator="causal_cascade"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(InvalidInputError, match=f"pipeline_port {port}"):
+            check(EngineConfig(platform="cpu", pipeline_parallel_size=2, pipeline_port=port))
