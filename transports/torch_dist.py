@@ -23,7 +23,6 @@ MAX_DIMS = 4
 
 
 def pack(frame: TokenFrame) -> np.ndarray:
-    rows, width = frame.tokens.shape
     return np.concatenate([
         np.array([frame.step_id, int(frame.k0)], np.int64), frame.req_ids, frame.generations, frame.slots,
         frame.kinds.astype(np.int64), frame.accepted.astype(np.int64), frame.lengths.astype(np.int64),

@@ -95,7 +95,7 @@ class EngineCore:
                                                     max_blocks=kv.blocks_per_request(k))
         policy = spec_policy(caps, attention, config)
         pipeline = config.pipeline_parallel_size > 1
-        self.speculator = None
+        self.speculator: Speculator | None = None
         self.runner: ModelRunner | Pipeline
         if pipeline:
             # The stages hold the weights, the KV and the drafter; the core keeps the requests.
@@ -178,11 +178,12 @@ class EngineCore:
     def _capture_graphs(self, caps: SpeculatorCapabilities | None, k: int) -> StepGraphs | None:
         """Device graphs of decode and verification steps (verify width 0 or K) and of lone
         prompts, where the platform and the backend allow; None runs every step eagerly."""
-        config = self.config
+        config, runner = self.config, self.runner
+        assert isinstance(runner, ModelRunner), "graphs are captured where the weights are"
         if not (self.platform.capabilities.supports_graphs and not config.enforce_eager
-                and self.runner.attention.supports_padding):
+                and runner.attention.supports_padding):
             return None
-        graphs = StepGraphs(self.runner, self.platform, config.max_num_seqs, verify_widths=(0, k),
+        graphs = StepGraphs(runner, self.platform, config.max_num_seqs, verify_widths=(0, k),
                             propose_widths=(0, k) if caps is not None and caps.device_only else (0,),
                             prefill_tokens=prefill_buckets(min(config.max_num_batched_tokens, self.max_model_len)))
         try:
@@ -198,9 +199,11 @@ class EngineCore:
         stats and logged."""
         if not self.platform.capabilities.triton:
             return
+        runner = self.runner
+        assert isinstance(runner, ModelRunner), "kernels are warmed where the weights are"
         started = time.monotonic()
-        launches = self.runner.attention.warm_up(self.runner.kv_cache[0], self.model_cfg.num_heads)
-        steps = warm_eager(self.runner, range(k + 1))  # an eager step verifies as many drafts as its rows hold
+        launches = runner.attention.warm_up(runner.kv_cache[0], self.model_cfg.num_heads)
+        steps = warm_eager(runner, range(k + 1))  # an eager step verifies as many drafts as its rows hold
         self.platform.synchronize()
         JIT_WATCH.seal()
         self.kernel_builds_at_ready = JIT_WATCH.num_compiles

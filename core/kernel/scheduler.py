@@ -114,7 +114,8 @@ class Scheduler:
             rows=rows,
             skip_drafts=self._skip_drafts(rows),
             host_drafts=self.spec is not None and (
-                self.pipeline or self.spec.variable_width or any(self.requests[r.key].params.structured_output for r in rows)),
+                self.pipeline or self.spec.variable_width
+                or any(self.requests[r.key].params.structured_output for r in rows)),
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec is not None else 0,
         )
         self.next_step_id += 1
