@@ -51,6 +51,10 @@ from ..wire.messages import (
 from .client import CoreClient, InprocClient, ProcessClient
 from .detokenizer import IncrementalDetokenizer
 
+OFF_LOOP_CHARS = 4096
+"""Prompts longer than this are tokenized (and chat templates rendered) in a worker thread, so a
+multi-MB prompt never stalls the event loop and every other stream on it."""
+
 
 def error_from_wire(text: str) -> errors.SpeckernelError:
     """'PromptTooLongError: ...' from the core → the same typed exception here."""
@@ -82,6 +86,8 @@ class AsyncEngine:
         self._calls: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
         self._call_ids = itertools.count()
         self._dead: errors.EngineDeadError | None = None
+        self._tokenizing = anyio.CapacityLimiter(2)
+        """Big prompts tokenized at once (each holds a thread of anyio's pool while it runs)."""
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -169,11 +175,25 @@ class AsyncEngine:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    async def tokenize(self, prompt: str) -> list[int]:
+        """`tokenizer.encode(prompt)`, in a worker thread when the prompt is long."""
+        if len(prompt) <= OFF_LOOP_CHARS:
+            return self.tokenizer.encode(prompt)
+        return await anyio.to_thread.run_sync(self.tokenizer.encode, prompt, limiter=self._tokenizing)
+
+    async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """`encode_chat(messages)`, in a worker thread when the conversation is long."""
+        size = sum(len(m.get("content") or "") if isinstance(m, dict) else 0 for m in messages) \
+            if isinstance(messages, list | tuple) else 0
+        if size <= OFF_LOOP_CHARS:
+            return self.encode_chat(messages)
+        return await anyio.to_thread.run_sync(self.encode_chat, messages, limiter=self._tokenizing)
+
     async def chat(
         self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
         request_id: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        async for out in self.generate(self.encode_chat(messages), params, request_id=request_id):
+        async for out in self.generate(await self.tokenize_chat(messages), params, request_id=request_id):
             yield out
 
     async def generate(
@@ -187,7 +207,7 @@ class AsyncEngine:
         client = self._live_client()
         # Everything the core could not take fails here, typed, before anything is sent.
         params = sampling_params(params, self.info.vocab_size)
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) \
+        prompt_ids = await self.tokenize(prompt) if isinstance(prompt, str) \
             else prompt_token_ids(prompt, self.info.vocab_size)
         if not prompt_ids:
             raise errors.InvalidInputError("prompt is empty")
