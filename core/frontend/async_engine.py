@@ -86,6 +86,7 @@ class AsyncEngine:
         self._calls: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
         self._call_ids = itertools.count()
         self._dead: errors.EngineDeadError | None = None
+        self._died = anyio.Event()
         self._tokenizing = anyio.CapacityLimiter(2)
         """Big prompts tokenized at once (each holds a thread of anyio's pool while it runs)."""
 
@@ -154,9 +155,17 @@ class AsyncEngine:
                     self._fail_all(errors.EngineDeadError(f"engine core died: {client.death_reason()}"))
                     return
 
+    async def wait_dead(self) -> errors.EngineDeadError:
+        """Returns once the core is gone (died, failed or shut down), with the error that says why;
+        every pending request has failed with it by then."""
+        await self._died.wait()
+        assert self._dead is not None
+        return self._dead
+
     def _fail_all(self, error: errors.EngineDeadError) -> None:
         if self._dead is None:
             self._dead = error
+            self._died.set()
         for pending in self._requests.values():
             pending.send.send_nowait(error)
         for event, _ in self._calls.values():

@@ -103,8 +103,9 @@ def serve_many(*flag_lists: list[str]) -> Iterator[list[Served]]:
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[list[Served]]:
-    """Two tiny servers started together: one with an API key, one whose core a test kills."""
-    with serve_many([*TINY, "--api-key", KEY], TINY) as started:
+    """Two tiny servers started together: one with an API key, one whose core a test kills (with a
+    context long enough for a stream that is still running when it dies)."""
+    with serve_many([*TINY, "--api-key", KEY], [*TINY, "--max-model-len", "2048", "--restart-backoff", "0.5"]) as started:
         yield started
 
 
@@ -195,17 +196,36 @@ def test_usage_and_metrics_count_tokens(tiny: Served) -> None:
     assert "_created" not in text, "the server leaves out prometheus_client's creation-time samples"
 
 
-def test_dead_core_gives_503_and_health_says_so(servers: list[Served]) -> None:
+def test_a_dead_core_is_replaced_its_requests_fail_and_health_recovers(servers: list[Served]) -> None:
     served = servers[1]
     assert post(served, "/v1/completions", COMPLETION).status_code == 200
-    os.kill(served.core_pid(), signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while (health := httpx.get(f"{served.url}/health", timeout=15)).status_code == 200:
-        assert time.monotonic() < deadline, "the server never noticed its core died"
+    old = served.core_pid()
+    body = COMPLETION | {"stream": True, "max_tokens": 1500, "ignore_eos": True}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        os.kill(old, signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["error"]["type"] == "service_unavailable"
+    seen, deadline = set(), time.monotonic() + 90
+    while (health := httpx.get(f"{served.url}/health", timeout=15)).status_code != 200:
+        assert time.monotonic() < deadline, f"the core was never replaced:\n{served.log.read_text()}"
+        assert health.status_code == 503
+        seen.add(health.json()["status"])
+        if "restarting" in seen and len(seen) == 1:  # while it restarts, requests answer 503
+            r = post(served, "/v1/completions", COMPLETION)
+            assert r.status_code in (200, 503), r.text
+            assert r.status_code == 200 or r.json()["error"]["code"] == "engine_dead"
         time.sleep(0.1)
-    assert health.status_code == 503 and health.json()["status"] == "dead"
-    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT | {"stream": True})):
-        r = post(served, path, body)
-        assert r.status_code == 503, r.text
-        assert r.json()["error"]["code"] == "engine_dead"
-    assert served.metric("speckernel_engine_up") == 0
+    assert seen == {"restarting"}
+    assert served.core_pid() != old
+    assert post(served, "/v1/completions", COMPLETION).status_code == 200
+    assert served.metric("speckernel_engine_restarts_total") == 1
+    assert served.metric("speckernel_engine_up") == 1
+
+
+def test_a_core_that_may_not_be_replaced_ends_serve_with_code_1() -> None:
+    with serve(*TINY, "--max-restarts", "0") as served:
+        os.kill(served.core_pid(), signal.SIGKILL)
+        assert served.proc.wait(30) == 1
+        assert "not restarted (0 restarts within 600 s)" in served.log.read_text()

@@ -61,6 +61,7 @@ from .protocol import (
     new_id,
     param_of,
 )
+from .supervisor import RestartPolicy, Supervisor
 
 logger = log.get("serve")
 HEALTH_TIMEOUT_S = 10.0
@@ -149,7 +150,8 @@ class EventStream(StreamingResponse):
 
 
 class Server:
-    def __init__(self, config: EngineConfig, api_key: str | None = None, limits: ServeLimits | None = None) -> None:
+    def __init__(self, config: EngineConfig, api_key: str | None = None, limits: ServeLimits | None = None,
+                 restarts: RestartPolicy | None = None, on_give_up: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.api_key = api_key
         self.limits = limits or ServeLimits()
@@ -157,24 +159,30 @@ class Server:
         self.model_name = config.model
         self.metrics = ServeMetrics()
         self.created = int(time.time())
-        self._engine: AsyncEngine | None = None
+        self.on_give_up = on_give_up
+        """Called once the supervisor stops replacing dead cores (the command exits non-zero)."""
+        self.supervisor: Supervisor[AsyncEngine] = Supervisor(lambda: AsyncEngine(config), restarts or RestartPolicy(),
+                                     self.metrics.restarts.inc, self._gave_up)
 
     @property
     def engine(self) -> AsyncEngine:
-        if self._engine is None:
-            raise EngineDeadError("engine is not started")
-        return self._engine
+        return self.supervisor.live()
+
+    def _gave_up(self, reason: str) -> None:
+        if self.on_give_up is not None:
+            self.on_give_up(reason)
 
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        async with AsyncEngine(self.config) as engine:
-            self._engine = engine
-            logger.info("serving", model=self.model_name, platform=engine.info.platform,
-                        max_model_len=engine.info.max_model_len, speculator=self.config.speculator)
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.supervisor.run)
+            info = self.engine.info
+            logger.info("serving", model=self.model_name, platform=info.platform,
+                        max_model_len=info.max_model_len, speculator=self.config.speculator)
             try:
                 yield
             finally:
-                self._engine = None
+                tg.cancel_scope.cancel()
 
     def app(self) -> Starlette:
         routes = [
@@ -245,7 +253,8 @@ class Server:
             with anyio.fail_after(HEALTH_TIMEOUT_S):
                 await self.engine.stats()
         except (EngineDeadError, TimeoutError) as e:
-            status = "dead" if isinstance(e, EngineDeadError) else "unresponsive"
+            state = self.supervisor.state
+            status = ("dead" if state == "failed" else state) if isinstance(e, EngineDeadError) else "unresponsive"
             return Response(msgspec.json.encode({"status": status, "error": str(e) or status}), 503,
                             media_type="application/json")
         info = self.engine.info
@@ -426,5 +435,6 @@ class Server:
             self.metrics.finished(outcome, prompt_len, last)
 
 
-def build_app(config: EngineConfig, api_key: str | None = None, limits: ServeLimits | None = None) -> Starlette:
-    return Server(config, api_key, limits).app()
+def build_app(config: EngineConfig, api_key: str | None = None, limits: ServeLimits | None = None,
+              restarts: RestartPolicy | None = None, on_give_up: Callable[[str], None] | None = None) -> Starlette:
+    return Server(config, api_key, limits, restarts, on_give_up).app()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 import msgspec
@@ -16,6 +17,7 @@ from ...engine.check import check
 from ...errors import InvalidInputError
 from ..engine_args import config_from, engine_args, flag
 from .limits import ServeLimits
+from .supervisor import RestartPolicy
 
 LIMIT_FLAGS = {  # flag -> (ServeLimits field, type, what it bounds)
     "--max-body-bytes": ("max_body_bytes", int, "most bytes in a request body (413 beyond)"),
@@ -32,6 +34,8 @@ LIMIT_FLAGS = {  # flag -> (ServeLimits field, type, what it bounds)
 }
 
 API_KEY_ENV = "SPECKERNEL_API_KEY"
+EXIT_CORE_LOST = 1
+"""serve's exit code once its engine core died and was not (or could not be) replaced."""
 
 
 def add_arguments(sub: Any) -> None:
@@ -47,7 +51,21 @@ def add_arguments(sub: Any) -> None:
     for name, (field, kind, text) in LIMIT_FLAGS.items():
         p.add_argument(name, type=kind, default=None, metavar="N",
                        help=f"{text} (default: {getattr(defaults, field)})")
+    p.add_argument("--max-restarts", type=int, default=RestartPolicy().max_restarts, metavar="N",
+                   help="engine cores replaced within 10 minutes after their core died; one more death and "
+                        "serve exits with code 1 (0: exit at the first) (default: %(default)s)")
+    p.add_argument("--restart-backoff", type=float, default=RestartPolicy().backoff_s, metavar="S",
+                   help="seconds before the first restart, doubled for each further one within the window "
+                        "(default: %(default)s)")
     engine_args(p)
+
+
+def restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    try:
+        return msgspec.convert({"max_restarts": args.max_restarts, "backoff_s": args.restart_backoff}, RestartPolicy)
+    except msgspec.ValidationError as e:
+        name = "--max-restarts" if "max_restarts" in str(e) else "--restart-backoff"
+        raise InvalidInputError(f"{name}: {str(e).partition(' - at')[0].lower()}") from None
 
 
 def limits(args: argparse.Namespace) -> ServeLimits:
@@ -82,14 +100,27 @@ def main(args: argparse.Namespace) -> int:
     # inside uvicorn's start-up.
     checked = check(config(args), flag)
     bounds = limits(args)
+    policy = restart_policy(args)
     # The server process owns its metrics: no `_created` sample per series (the library itself
     # leaves prometheus_client's process-wide switches alone for those who embed the app).
     from prometheus_client import disable_created_metrics
 
     disable_created_metrics()
-    app = build_app(checked.config, api_key=args.api_key, limits=bounds)
+    given_up: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def give_up(reason: str) -> None:
+        given_up.append(reason)
+        if server is not None:
+            server.should_exit = True
+
+    app = build_app(checked.config, api_key=args.api_key, limits=bounds, restarts=policy, on_give_up=give_up)
     level = args.log_level.lower()
-    uvicorn.run(app, host=args.host, port=args.port, log_level=level, access_log=level in ("debug", "info"),
-                timeout_graceful_shutdown=5, timeout_keep_alive=bounds.keep_alive_s,
-                http=guarded_h11(bounds.header_timeout_s))
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=level, access_log=level in ("debug", "info"),
+        timeout_graceful_shutdown=5, timeout_keep_alive=bounds.keep_alive_s, http=guarded_h11(bounds.header_timeout_s)))
+    server.run()
+    if given_up:
+        print(f"speckernel: error: {given_up[0]}", file=sys.stderr)
+        return EXIT_CORE_LOST
     return 0
