@@ -62,6 +62,16 @@ def error_from_wire(text: str) -> errors.SpeckernelError:
     return errors.rebuild(name, message) or errors.SpeckernelError(text)
 
 
+def _check_text(text: str, where: str) -> None:
+    """A lone surrogate (a str that is no Unicode text, e.g. from surrogateescape) is bad input,
+    not the tokenizer's TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise errors.InvalidInputError(f"{where}: not valid Unicode text (a lone surrogate at character "
+                                       f"{e.start}: {text[e.start]!r})") from None
+
+
 @dataclass
 class _Pending:
     request_id: str
@@ -186,14 +196,19 @@ class AsyncEngine:
 
     async def tokenize(self, prompt: str) -> list[int]:
         """`tokenizer.encode(prompt)`, in a worker thread when the prompt is long."""
+        _check_text(prompt, "prompt")
         if len(prompt) <= OFF_LOOP_CHARS:
             return self.tokenizer.encode(prompt)
         return await anyio.to_thread.run_sync(self.tokenizer.encode, prompt, limiter=self._tokenizing)
 
     async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """`encode_chat(messages)`, in a worker thread when the conversation is long."""
-        size = sum(len(m.get("content") or "") if isinstance(m, dict) else 0 for m in messages) \
-            if isinstance(messages, list | tuple) else 0
+        size = 0
+        for i, m in enumerate(messages if isinstance(messages, list | tuple) else ()):
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                _check_text(content, f"messages[{i}].content")
+                size += len(content)
         if size <= OFF_LOOP_CHARS:
             return self.encode_chat(messages)
         return await anyio.to_thread.run_sync(self.encode_chat, messages, limiter=self._tokenizing)

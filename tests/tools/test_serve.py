@@ -105,7 +105,8 @@ def serve_many(*flag_lists: list[str]) -> Iterator[list[Served]]:
 def servers() -> Iterator[list[Served]]:
     """Two tiny servers started together: one with an API key, one whose core a test kills (with a
     context long enough for a stream that is still running when it dies)."""
-    with serve_many([*TINY, "--api-key", KEY], [*TINY, "--max-model-len", "2048", "--restart-backoff", "0.5"]) as started:
+    restarted = [*TINY, "--max-model-len", "2048", "--restart-backoff", "0.5"]
+    with serve_many([*TINY, "--api-key", KEY], restarted) as started:
         yield started
 
 
@@ -135,7 +136,7 @@ BAD = [  # (endpoint, body overrides, the param the error must name)
     ("chat", {"seed": True}, "seed"),
     ("chat", {"stop": 7}, "stop"),
     ("chat", {"n": 2}, "n"),
-    ("chat", {"model": "gpt-4o"}, "model"),
+    ("chat", {"messages": [{"role": "wizard", "content": "obey"}]}, "messages[0].role"),
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [{"role": "user", "content": "<1>" * 80}]}, "messages"),  # 80 tokens, context 64
     ("chat", {"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
@@ -157,6 +158,18 @@ def test_bad_input_is_400_in_openai_shape(tiny: Served, endpoint: str, override:
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
     # ... and the server keeps serving.
     assert post(tiny, "/v1/completions", COMPLETION).status_code == 200
+
+
+def test_unknown_models_routes_and_methods_answer_in_openai_shape(tiny: Served) -> None:
+    r = post(tiny, "/v1/chat/completions", CHAT | {"model": "gpt-4o"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert r.json()["error"]["param"] == "model"
+    for method, path, status, code in (("GET", "/v1/nope", 404, "not_found"), ("GET", "/v1/completions", 405,
+                                                                                 "method_not_allowed")):
+        r = httpx.request(method, tiny.url + path, timeout=10)
+        assert r.status_code == status and r.headers["content-type"] == "application/json", r.text
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == code and path in error["message"]
 
 
 def test_malformed_json_is_400(tiny: Served) -> None:

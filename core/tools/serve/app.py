@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -55,6 +56,7 @@ from .protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    ModelNotFound,
     TextChoice,
     Usage,
     decode,
@@ -194,6 +196,10 @@ class Server:
         ]
         handlers: dict[Any, Any] = {
             InvalidInputError: self._bad_request,
+            ModelNotFound: self._model_not_found,
+            HTTPException: self._http_error,
+            SpeckernelError: self._server_error,
+            Exception: self._server_error,
             BodyTooLarge: self._too_large,
             BodyTimeout: self._body_timeout,
             EngineOverloadedError: self._overloaded,
@@ -210,6 +216,27 @@ class Server:
         param = exc.param if isinstance(exc, BadRequest) else param_of(str(exc))
         code = exc.code if isinstance(exc, BadRequest) else None
         return error_response(400, str(exc), "invalid_request_error", param, code)
+
+    async def _model_not_found(self, request: Request, exc: Exception) -> Response:
+        self.metrics.requests.labels("invalid").inc()
+        return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        """Unknown routes (404) and methods (405) in the same JSON shape as every other error."""
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return Response(msgspec.json.encode(ErrorResponse(error=ErrorBody(
+            message=message, type="invalid_request_error", code=code))), exc.status_code,
+            headers=exc.headers, media_type="application/json")
+
+    async def _server_error(self, request: Request, exc: Exception) -> Response:
+        """Whatever else failed a request (a runtime error in the core, a bug): 500 in OpenAI's
+        shape, counted, logged with its traceback."""
+        self.metrics.requests.labels("error").inc()
+        logger.error("request_failed", path=request.url.path, error=f"{type(exc).__name__}: {exc}",
+                     exc_info=exc)
+        return error_response(500, f"{type(exc).__name__}: {exc}", "server_error", code="internal_error")
 
     async def _too_large(self, request: Request, exc: Exception) -> Response:
         self.metrics.requests.labels("invalid").inc()
@@ -309,8 +336,8 @@ class Server:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise BadRequest(f"model: unknown model {model!r}; this server serves {self.model_name!r}",
-                             "model", "model_not_found")
+            raise ModelNotFound(f"model: unknown model {model!r}; this server serves {self.model_name!r}",
+                                "model", "model_not_found")
 
     # --- generation --------------------------------------------------------------------------
 
@@ -417,10 +444,15 @@ class Server:
                             yield chunk(out.delta_text, None)
                         if out.finished:
                             yield chunk(None if chat else "", out.finish_reason)
-                except SpeckernelError as e:  # the core died mid-stream: say so, then end the stream
+                except Exception as e:  # the core died, or the request failed, mid-stream: say so, then end
                     outcome = "error"
-                    kind = "service_unavailable" if isinstance(e, EngineDeadError) else "server_error"
-                    yield sse(ErrorResponse(error=ErrorBody(message=str(e), type=kind)))
+                    dead = isinstance(e, EngineDeadError)
+                    if not dead:
+                        logger.error("request_failed", request_id=rid, error=f"{type(e).__name__}: {e}", exc_info=e)
+                    yield sse(ErrorResponse(error=ErrorBody(
+                        message=str(e) if isinstance(e, SpeckernelError) else f"{type(e).__name__}: {e}",
+                        type="service_unavailable" if dead else "server_error",
+                        code="engine_dead" if dead else "internal_error")))
                     yield DONE
                     return
             outcome = (last.finish_reason if last is not None else None) or "stop"
