@@ -45,6 +45,10 @@ class ModelFetchError(SpeckernelError):
     """The embedded default model could not be downloaded or failed its checksum."""
 
 
+class EngineOverloadedError(SpeckernelError):
+    """The engine (or the server in front of it) has no room for this request now; retry later."""
+
+
 class EngineDeadError(SpeckernelError):
     """The engine core process died or shut down; pending and new requests fail with this."""
 

@@ -52,11 +52,25 @@ from .client import CoreClient, InprocClient, ProcessClient
 from .detokenizer import IncrementalDetokenizer
 from .dp_client import DataParallelClient
 
+OFF_LOOP_CHARS = 4096
+"""Prompts longer than this are tokenized (and chat templates rendered) in a worker thread, so a
+multi-MB prompt never stalls the event loop and every other stream on it."""
+
 
 def error_from_wire(text: str) -> errors.SpeckernelError:
     """'PromptTooLongError: ...' from the core → the same typed exception here."""
     name, _, message = text.partition(": ")
     return errors.rebuild(name, message) or errors.SpeckernelError(text)
+
+
+def _check_text(text: str, where: str) -> None:
+    """A lone surrogate (a str that is no Unicode text, e.g. from surrogateescape) is bad input,
+    not the tokenizer's TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise errors.InvalidInputError(f"{where}: not valid Unicode text (a lone surrogate at character "
+                                       f"{e.start}: {text[e.start]!r})") from None
 
 
 @dataclass
@@ -83,6 +97,9 @@ class AsyncEngine:
         self._calls: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
         self._call_ids = itertools.count()
         self._dead: errors.EngineDeadError | None = None
+        self._died = anyio.Event()
+        self._tokenizing = anyio.CapacityLimiter(2)
+        """Big prompts tokenized at once (each holds a thread of anyio's pool while it runs)."""
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -151,9 +168,17 @@ class AsyncEngine:
                     self._fail_all(errors.EngineDeadError(f"engine core died: {client.death_reason()}"))
                     return
 
+    async def wait_dead(self) -> errors.EngineDeadError:
+        """Returns once the core is gone (died, failed or shut down), with the error that says why;
+        every pending request has failed with it by then."""
+        await self._died.wait()
+        assert self._dead is not None
+        return self._dead
+
     def _fail_all(self, error: errors.EngineDeadError) -> None:
         if self._dead is None:
             self._dead = error
+            self._died.set()
         for pending in self._requests.values():
             pending.send.send_nowait(error)
         for event, _ in self._calls.values():
@@ -172,11 +197,30 @@ class AsyncEngine:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    async def tokenize(self, prompt: str) -> list[int]:
+        """`tokenizer.encode(prompt)`, in a worker thread when the prompt is long."""
+        _check_text(prompt, "prompt")
+        if len(prompt) <= OFF_LOOP_CHARS:
+            return self.tokenizer.encode(prompt)
+        return await anyio.to_thread.run_sync(self.tokenizer.encode, prompt, limiter=self._tokenizing)
+
+    async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """`encode_chat(messages)`, in a worker thread when the conversation is long."""
+        size = 0
+        for i, m in enumerate(messages if isinstance(messages, list | tuple) else ()):
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                _check_text(content, f"messages[{i}].content")
+                size += len(content)
+        if size <= OFF_LOOP_CHARS:
+            return self.encode_chat(messages)
+        return await anyio.to_thread.run_sync(self.encode_chat, messages, limiter=self._tokenizing)
+
     async def chat(
         self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
         request_id: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        async for out in self.generate(self.encode_chat(messages), params, request_id=request_id):
+        async for out in self.generate(await self.tokenize_chat(messages), params, request_id=request_id):
             yield out
 
     async def generate(
@@ -190,7 +234,7 @@ class AsyncEngine:
         client = self._live_client()
         # Everything the core could not take fails here, typed, before anything is sent.
         params = sampling_params(params, self.info.vocab_size)
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) \
+        prompt_ids = await self.tokenize(prompt) if isinstance(prompt, str) \
             else prompt_token_ids(prompt, self.info.vocab_size)
         if not prompt_ids:
             raise errors.InvalidInputError("prompt is empty")

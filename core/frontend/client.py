@@ -285,11 +285,14 @@ class ProcessClient(CoreClient):
             self.proc.kill()  # works on a stopped process too; reaped by close() / poll()
 
     def _poll(self) -> list[zmq.Frame] | None:
+        """One poll of the socket. Only the poll's own wait counts as silence, capped at POLL_S:
+        the clock read after it also counts how long this thread waited for the GIL (user code or
+        a tokenizer holding it for seconds), and beats sent meanwhile are queued, not lost."""
         started = time.monotonic()
         if self.rx.poll(int(POLL_S * 1000)):
             self.silent_s = 0.0
             return self.rx.recv_multipart(copy=False)
-        self.silent_s += time.monotonic() - started
+        self.silent_s += min(time.monotonic() - started, POLL_S)
         return None
 
     async def recv(self) -> CoreMessage | None:

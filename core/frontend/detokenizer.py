@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import msgspec
 
 from ..models.tokenizer import Tokenizer
+from .stop_matcher import StopMatcher
 
 
 class DetokenizedDelta(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,7 +54,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
-        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._matcher = StopMatcher(self.stop) if self.stop else None
         self._ids: list[int] = []
         self._ends: list[int] = []
         """_ends[i]: length of the decoded text once token i is consumed (non-decreasing)."""
@@ -78,12 +79,11 @@ class IncrementalDetokenizer:
         """Consumes the core's next delta; `finish_reason` is the core's, None while it runs."""
         if self.finished:  # a stop string or the core ended it: late tokens mean nothing
             return DetokenizedDelta(text="", token_ids=[], finish_reason=None)
-        searched = len(self._text)
         for token_id in new_ids:
             self._consume(int(token_id))
         if finish_reason is not None:
             self._flush()
-        hit = self._find_stop(max(0, searched - self._max_stop_len + 1))
+        hit = None if self._matcher is None else self._matcher.feed(self._text)
         stopped = hit is not None
         if hit is not None:
             self._text = self._text[:hit]
@@ -91,7 +91,7 @@ class IncrementalDetokenizer:
         elif finish_reason is not None:
             emit_to = len(self._text)
         else:
-            emit_to = len(self._text) - self._held_back()
+            emit_to = len(self._text) - (0 if self._matcher is None else self._matcher.held_back)
         text = self._text[self._emitted : emit_to]
         self._emitted = emit_to
         if finish_reason is not None and not stopped:
@@ -128,22 +128,3 @@ class IncrementalDetokenizer:
             self._text += self.tokenizer.decode(window)[len(prefix) :]
             self._prefix_offset = self._read_offset = len(self._ids)
             self._ends[-1] = len(self._text)
-
-    def _find_stop(self, start: int) -> int | None:
-        """Where the first stop string to complete begins, looking only from `start` on."""
-        best: tuple[int, int] | None = None
-        for s in self.stop:
-            i = self._text.find(s, start)
-            if i != -1 and (best is None or (i + len(s), i) < best):
-                best = (i + len(s), i)
-        return None if best is None else best[1]
-
-    def _held_back(self) -> int:
-        """Length of the longest end of the text that could still grow into a stop string."""
-        longest = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(s[:n]):
-                    longest = n
-                    break
-        return longest

@@ -18,6 +18,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from ..errors import InvalidInputError, UnknownModelError
 
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
+RELEASE_GIL_CHARS = 4096
+"""Texts longer than this are encoded through `encode_batch`, which releases the GIL while it runs
+(`encode` holds it), so other threads and the caller's event loop keep going meanwhile."""
 class ChatTurn(msgspec.Struct):
     """What the chat template reads of a message (other keys pass through to it untouched)."""
 
@@ -62,7 +65,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Raw prompts get the model's BOS; chat-templated text carries its own specials."""
-        ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > RELEASE_GIL_CHARS:
+            ids = self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
         if (add_special_tokens and self.add_bos and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
             ids = [self.bos_token_id, *ids]

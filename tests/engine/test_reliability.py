@@ -34,6 +34,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from speckernel import AsyncEngine, EngineConfig, EngineDeadError, SamplingParams
+from speckernel.errors import InvalidInputError
 from speckernel.frontend import async_engine as async_engine_mod
 from speckernel.frontend import client as core_client
 from speckernel.frontend.async_engine import _Pending
@@ -243,6 +244,17 @@ async def test_long_tmpdir_falls_back_to_a_short_socket_folder_and_stale_ones_ar
     assert not pool.legacy_stale.exists() and pool.legacy_live.exists()
     outs = await collect(pool.healthy)
     assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == SHORT.max_tokens
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_lone_surrogate_is_bad_input_not_a_type_error(pool: Pool) -> None:
+    with pytest.raises(InvalidInputError, match="lone surrogate at character 1"):
+        async for _ in pool.healthy.generate("a\ud800b", SHORT):
+            pass
+    with pytest.raises(InvalidInputError, match=r"messages\[0\].content: not valid Unicode"):
+        async for _ in pool.healthy.chat([{"role": "user", "content": "\udcff"}], SHORT):
+            pass
+    assert len(await collect(pool.healthy)) >= 1
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -7,6 +7,7 @@ the core would send them (one token each, or K+1 at once with speculation).
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -248,3 +249,22 @@ def test_special_tokens_add_no_text_but_are_released_at_the_end(tokenizer: Token
     detok, steps = run(tokenizer, [[t] for t in ids], last_reason="stop")
     assert detok.text == "The cat" and detok.token_ids == ids
     assert steps[-1].text == "" and steps[-1].token_ids == list(tokenizer.eos_token_ids)
+
+
+def test_many_long_stop_strings_cost_time_linear_in_the_text(tokenizer: Tokenizer) -> None:
+    """200 stop strings of 500 characters, each sharing a long start with the text: checking them
+    all against the text's end after every token cost about 4e7 steps for 400 tokens (seconds);
+    the automaton reads each new character once."""
+    text = "the cat sat on the mat and then it sat on the hat. " * 30
+    ids = encode(tokenizer, text)
+    rng = random.Random(0)
+    stop = [text[: rng.randrange(100, 300)] + "#" * (500 - 300) + str(i) for i in range(200)]
+    detok = IncrementalDetokenizer(tokenizer, stop)
+    t0 = time.perf_counter()
+    for token in ids:
+        detok.add([token])
+    took = time.perf_counter() - t0
+    assert took < 1.0, f"{took:.2f} s for {len(ids)} tokens"
+    reference = IncrementalDetokenizer(tokenizer)
+    reference.add(ids, "length")
+    assert detok.add([], "length").finish_reason == "length" and detok.text == reference.text

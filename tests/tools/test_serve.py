@@ -103,8 +103,10 @@ def serve_many(*flag_lists: list[str]) -> Iterator[list[Served]]:
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[list[Served]]:
-    """Two tiny servers started together: one with an API key, one whose core a test kills."""
-    with serve_many([*TINY, "--api-key", KEY], TINY) as started:
+    """Two tiny servers started together: one with an API key, one whose core a test kills (with a
+    context long enough for a stream that is still running when it dies)."""
+    restarted = [*TINY, "--max-model-len", "2048", "--restart-backoff", "0.5"]
+    with serve_many([*TINY, "--api-key", KEY], restarted) as started:
         yield started
 
 
@@ -134,7 +136,7 @@ BAD = [  # (endpoint, body overrides, the param the error must name)
     ("chat", {"seed": True}, "seed"),
     ("chat", {"stop": 7}, "stop"),
     ("chat", {"n": 2}, "n"),
-    ("chat", {"model": "gpt-4o"}, "model"),
+    ("chat", {"messages": [{"role": "wizard", "content": "obey"}]}, "messages[0].role"),
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [{"role": "user", "content": "<1>" * 80}]}, "messages"),  # 80 tokens, context 64
     ("chat", {"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
@@ -156,6 +158,18 @@ def test_bad_input_is_400_in_openai_shape(tiny: Served, endpoint: str, override:
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
     # ... and the server keeps serving.
     assert post(tiny, "/v1/completions", COMPLETION).status_code == 200
+
+
+def test_unknown_models_routes_and_methods_answer_in_openai_shape(tiny: Served) -> None:
+    r = post(tiny, "/v1/chat/completions", CHAT | {"model": "gpt-4o"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert r.json()["error"]["param"] == "model"
+    for method, path, status, code in (("GET", "/v1/nope", 404, "not_found"), ("GET", "/v1/completions", 405,
+                                                                                 "method_not_allowed")):
+        r = httpx.request(method, tiny.url + path, timeout=10)
+        assert r.status_code == status and r.headers["content-type"] == "application/json", r.text
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == code and path in error["message"]
 
 
 def test_malformed_json_is_400(tiny: Served) -> None:
@@ -195,17 +209,36 @@ def test_usage_and_metrics_count_tokens(tiny: Served) -> None:
     assert "_created" not in text, "the server leaves out prometheus_client's creation-time samples"
 
 
-def test_dead_core_gives_503_and_health_says_so(servers: list[Served]) -> None:
+def test_a_dead_core_is_replaced_its_requests_fail_and_health_recovers(servers: list[Served]) -> None:
     served = servers[1]
     assert post(served, "/v1/completions", COMPLETION).status_code == 200
-    os.kill(served.core_pid(), signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while (health := httpx.get(f"{served.url}/health", timeout=15)).status_code == 200:
-        assert time.monotonic() < deadline, "the server never noticed its core died"
+    old = served.core_pid()
+    body = COMPLETION | {"stream": True, "max_tokens": 1500, "ignore_eos": True}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        os.kill(old, signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["error"]["type"] == "service_unavailable"
+    seen, deadline = set(), time.monotonic() + 90
+    while (health := httpx.get(f"{served.url}/health", timeout=15)).status_code != 200:
+        assert time.monotonic() < deadline, f"the core was never replaced:\n{served.log.read_text()}"
+        assert health.status_code == 503
+        seen.add(health.json()["status"])
+        if "restarting" in seen and len(seen) == 1:  # while it restarts, requests answer 503
+            r = post(served, "/v1/completions", COMPLETION)
+            assert r.status_code in (200, 503), r.text
+            assert r.status_code == 200 or r.json()["error"]["code"] == "engine_dead"
         time.sleep(0.1)
-    assert health.status_code == 503 and health.json()["status"] == "dead"
-    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT | {"stream": True})):
-        r = post(served, path, body)
-        assert r.status_code == 503, r.text
-        assert r.json()["error"]["code"] == "engine_dead"
-    assert served.metric("speckernel_engine_up") == 0
+    assert seen == {"restarting"}
+    assert served.core_pid() != old
+    assert post(served, "/v1/completions", COMPLETION).status_code == 200
+    assert served.metric("speckernel_engine_restarts_total") == 1
+    assert served.metric("speckernel_engine_up") == 1
+
+
+def test_a_core_that_may_not_be_replaced_ends_serve_with_code_1() -> None:
+    with serve(*TINY, "--max-restarts", "0") as served:
+        os.kill(served.core_pid(), signal.SIGKILL)
+        assert served.proc.wait(30) == 1
+        assert "not restarted (0 restarts within 600 s)" in served.log.read_text()

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -25,9 +26,20 @@ from starlette.types import Receive, Scope, Send
 
 from ... import log
 from ...config import EngineConfig
-from ...errors import EngineDeadError, InvalidInputError, SpeckernelError
+from ...errors import EngineDeadError, EngineOverloadedError, InvalidInputError, SpeckernelError
 from ...frontend.async_engine import AsyncEngine
 from ...outputs import RequestOutput
+from ...sampling_params import SamplingParams
+from .limits import (
+    Admission,
+    BodyTimeout,
+    BodyTooLarge,
+    ServeLimits,
+    check_prompt_chars,
+    check_prompt_tokens,
+    check_stop,
+    read_body,
+)
 from .metrics import CONTENT_TYPE, ServeMetrics
 from .protocol import (
     AssistantMessage,
@@ -44,12 +56,14 @@ from .protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    ModelNotFound,
     TextChoice,
     Usage,
     decode,
     new_id,
     param_of,
 )
+from .supervisor import RestartPolicy, Supervisor
 
 logger = log.get("serve")
 HEALTH_TIMEOUT_S = 10.0
@@ -114,46 +128,63 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content)
+        self.on_close = on_close
+        """Runs once the stream is over, however it ended (even if it never started)."""
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as tg:
+        try:
+            async with anyio.create_task_group() as tg:
 
-            async def stream() -> None:
-                try:
-                    await self.stream_response(send)
-                except OSError:  # the client left while a chunk was being written
-                    pass
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client left while a chunk was being written
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await until_disconnect(receive)
                 tg.cancel_scope.cancel()
-
-            tg.start_soon(stream)
-            await until_disconnect(receive)
-            tg.cancel_scope.cancel()
+        finally:
+            self.on_close()
 
 
 class Server:
-    def __init__(self, config: EngineConfig, api_key: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, api_key: str | None = None, limits: ServeLimits | None = None,
+                 restarts: RestartPolicy | None = None, on_give_up: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.api_key = api_key
+        self.limits = limits or ServeLimits()
+        self.admission = Admission(self.limits)
         self.model_name = config.model
         self.metrics = ServeMetrics()
         self.created = int(time.time())
-        self._engine: AsyncEngine | None = None
+        self.on_give_up = on_give_up
+        """Called once the supervisor stops replacing dead cores (the command exits non-zero)."""
+        self.supervisor: Supervisor[AsyncEngine] = Supervisor(lambda: AsyncEngine(config), restarts or RestartPolicy(),
+                                     self.metrics.restarts.inc, self._gave_up)
 
     @property
     def engine(self) -> AsyncEngine:
-        if self._engine is None:
-            raise EngineDeadError("engine is not started")
-        return self._engine
+        return self.supervisor.live()
+
+    def _gave_up(self, reason: str) -> None:
+        if self.on_give_up is not None:
+            self.on_give_up(reason)
 
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        async with AsyncEngine(self.config) as engine:
-            self._engine = engine
-            logger.info("serving", model=self.model_name, platform=engine.info.platform,
-                        max_model_len=engine.info.max_model_len, speculator=self.config.speculator)
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.supervisor.run)
+            info = self.engine.info
+            logger.info("serving", model=self.model_name, platform=info.platform,
+                        max_model_len=info.max_model_len, speculator=self.config.speculator)
             try:
                 yield
             finally:
-                self._engine = None
+                tg.cancel_scope.cancel()
 
     def app(self) -> Starlette:
         routes = [
@@ -165,6 +196,13 @@ class Server:
         ]
         handlers: dict[Any, Any] = {
             InvalidInputError: self._bad_request,
+            ModelNotFound: self._model_not_found,
+            HTTPException: self._http_error,
+            SpeckernelError: self._server_error,
+            Exception: self._server_error,
+            BodyTooLarge: self._too_large,
+            BodyTimeout: self._body_timeout,
+            EngineOverloadedError: self._overloaded,
             EngineDeadError: self._engine_dead,
             Unauthorized: self._unauthorized,
             ClientLeft: self._client_left,
@@ -178,6 +216,39 @@ class Server:
         param = exc.param if isinstance(exc, BadRequest) else param_of(str(exc))
         code = exc.code if isinstance(exc, BadRequest) else None
         return error_response(400, str(exc), "invalid_request_error", param, code)
+
+    async def _model_not_found(self, request: Request, exc: Exception) -> Response:
+        self.metrics.requests.labels("invalid").inc()
+        return error_response(404, str(exc), "invalid_request_error", "model", "model_not_found")
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        """Unknown routes (404) and methods (405) in the same JSON shape as every other error."""
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return Response(msgspec.json.encode(ErrorResponse(error=ErrorBody(
+            message=message, type="invalid_request_error", code=code))), exc.status_code,
+            headers=exc.headers, media_type="application/json")
+
+    async def _server_error(self, request: Request, exc: Exception) -> Response:
+        """Whatever else failed a request (a runtime error in the core, a bug): 500 in OpenAI's
+        shape, counted, logged with its traceback."""
+        self.metrics.requests.labels("error").inc()
+        logger.error("request_failed", path=request.url.path, error=f"{type(exc).__name__}: {exc}",
+                     exc_info=exc)
+        return error_response(500, f"{type(exc).__name__}: {exc}", "server_error", code="internal_error")
+
+    async def _too_large(self, request: Request, exc: Exception) -> Response:
+        self.metrics.requests.labels("invalid").inc()
+        return error_response(413, str(exc), "invalid_request_error", code="request_too_large")
+
+    async def _body_timeout(self, request: Request, exc: Exception) -> Response:
+        self.metrics.requests.labels("invalid").inc()
+        return error_response(408, str(exc), "invalid_request_error", code="request_timeout")
+
+    async def _overloaded(self, request: Request, exc: Exception) -> Response:
+        self.metrics.requests.labels("overloaded").inc()
+        return error_response(429, str(exc), "rate_limit_exceeded", code="rate_limit_exceeded")
 
     async def _engine_dead(self, request: Request, exc: Exception) -> Response:
         self.metrics.requests.labels("error").inc()
@@ -209,7 +280,8 @@ class Server:
             with anyio.fail_after(HEALTH_TIMEOUT_S):
                 await self.engine.stats()
         except (EngineDeadError, TimeoutError) as e:
-            status = "dead" if isinstance(e, EngineDeadError) else "unresponsive"
+            state = self.supervisor.state
+            status = ("dead" if state == "failed" else state) if isinstance(e, EngineDeadError) else "unresponsive"
             return Response(msgspec.json.encode({"status": status, "error": str(e) or status}), 503,
                             media_type="application/json")
         info = self.engine.info
@@ -230,23 +302,28 @@ class Server:
 
     async def chat(self, request: Request) -> Response:
         self._authorize(request)
-        req = decode(await request.body(), ChatCompletionRequest)
+        req = decode(await read_body(request, self.limits), ChatCompletionRequest)
         assert isinstance(req, ChatCompletionRequest)
         self._check_model(req.model)
+        check_stop(req.stop, self.limits)
         if not req.messages:
             raise BadRequest("messages: expected at least one message", "messages")
-        engine = self.engine
-        ids = engine.encode_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        check_prompt_chars(sum(len(m["content"]) for m in messages), self.limits, "messages")
+        ids = await self.engine.tokenize_chat(messages)
+        check_prompt_tokens(len(ids), self.limits, "messages")
         return await self._serve(request, req, ids, chat=True)
 
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
-        req = decode(await request.body(), CompletionRequest)
+        req = decode(await read_body(request, self.limits), CompletionRequest)
         assert isinstance(req, CompletionRequest)
         self._check_model(req.model)
+        check_stop(req.stop, self.limits)
         engine = self.engine
         if isinstance(req.prompt, str):
-            ids = engine.tokenizer.encode(req.prompt)
+            check_prompt_chars(len(req.prompt), self.limits, "prompt")
+            ids = await engine.tokenize(req.prompt)
         else:
             vocab = engine.info.vocab_size
             if any(not 0 <= t < vocab for t in req.prompt):
@@ -254,25 +331,50 @@ class Server:
             ids = list(req.prompt)
         if not ids:
             raise BadRequest("prompt: expected a non-empty prompt", "prompt")
+        check_prompt_tokens(len(ids), self.limits, "prompt")
         return await self._serve(request, req, ids, chat=False)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise BadRequest(f"model: unknown model {model!r}; this server serves {self.model_name!r}",
-                             "model", "model_not_found")
+            raise ModelNotFound(f"model: unknown model {model!r}; this server serves {self.model_name!r}",
+                                "model", "model_not_found")
 
     # --- generation --------------------------------------------------------------------------
 
     async def _serve(self, request: Request, req: ChatCompletionRequest | CompletionRequest, ids: list[int],
                      *, chat: bool) -> Response:
+        """Admits the request (429 when the server is full), then answers it; the admission ends
+        with the answer, or with the stream for a streaming request."""
         engine = self.engine
         params = req.sampling_params(len(ids), engine.info.max_model_len, engine.info.vocab_size)
+        self.admission.enter()
+        streaming = False
+        try:
+            response = await self._generate(request, req, ids, params, chat=chat)
+            streaming = isinstance(response, EventStream)
+            return response
+        finally:
+            if not streaming:
+                self.admission.leave()
+
+    async def _first(self, request: Request, gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+        """The first output (or the error) before any header: bad input and a dead core get their
+        status code, a client that leaves during prefill aborts at once, and a request that waits
+        longer than max_queue_wait_s for its first token is refused (429)."""
+        wait = self.limits.max_queue_wait_s
+        with anyio.move_on_after(wait) as scope:
+            return await unless_disconnected(request.receive, gen.__anext__)
+        assert scope.cancelled_caught
+        raise EngineOverloadedError(f"no first token within {wait} s (--max-queue-wait): the engine is busy; "
+                                    "retry later")
+
+    async def _generate(self, request: Request, req: ChatCompletionRequest | CompletionRequest, ids: list[int],
+                        params: SamplingParams, *, chat: bool) -> Response:
+        engine = self.engine
         rid = new_id("chatcmpl" if chat else "cmpl")
         gen = engine.generate(ids, params, request_id=rid)
         try:
-            # The first output (or the error) before any header: bad input and a dead core get
-            # their status code, and a client that leaves during prefill aborts at once.
-            first = await unless_disconnected(request.receive, gen.__anext__)
+            first: RequestOutput | None = await self._first(request, gen)
         except StopAsyncIteration:  # pragma: no cover - generate always yields a final output
             first = None
         except BaseException as e:
@@ -281,7 +383,7 @@ class Server:
                 self.metrics.finished("abort", len(ids), None)
             raise
         if req.stream:
-            return EventStream(self._events(gen, first, req, rid, len(ids), chat))
+            return EventStream(self._events(gen, first, req, rid, len(ids), chat), on_close=self.admission.leave)
         async with aclosing(gen):
             last = first
 
@@ -342,10 +444,15 @@ class Server:
                             yield chunk(out.delta_text, None)
                         if out.finished:
                             yield chunk(None if chat else "", out.finish_reason)
-                except SpeckernelError as e:  # the core died mid-stream: say so, then end the stream
+                except Exception as e:  # the core died, or the request failed, mid-stream: say so, then end
                     outcome = "error"
-                    kind = "service_unavailable" if isinstance(e, EngineDeadError) else "server_error"
-                    yield sse(ErrorResponse(error=ErrorBody(message=str(e), type=kind)))
+                    dead = isinstance(e, EngineDeadError)
+                    if not dead:
+                        logger.error("request_failed", request_id=rid, error=f"{type(e).__name__}: {e}", exc_info=e)
+                    yield sse(ErrorResponse(error=ErrorBody(
+                        message=str(e) if isinstance(e, SpeckernelError) else f"{type(e).__name__}: {e}",
+                        type="service_unavailable" if dead else "server_error",
+                        code="engine_dead" if dead else "internal_error")))
                     yield DONE
                     return
             outcome = (last.finish_reason if last is not None else None) or "stop"
@@ -360,5 +467,6 @@ class Server:
             self.metrics.finished(outcome, prompt_len, last)
 
 
-def build_app(config: EngineConfig, api_key: str | None = None) -> Starlette:
-    return Server(config, api_key).app()
+def build_app(config: EngineConfig, api_key: str | None = None, limits: ServeLimits | None = None,
+              restarts: RestartPolicy | None = None, on_give_up: Callable[[str], None] | None = None) -> Starlette:
+    return Server(config, api_key, limits, restarts, on_give_up).app()

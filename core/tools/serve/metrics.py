@@ -99,6 +99,8 @@ class ServeMetrics:
         self.tpot = Histogram(f"{prefix}_time_per_output_token_seconds",
                               "(last token - first token) / (tokens - 1), per request",
                               buckets=TPOT_BUCKETS, registry=self.registry)
+        self.restarts = Counter(f"{prefix}_engine_restarts", "engine cores replaced after their core died",
+                                registry=self.registry)
         self.engine = EngineCollector(prefix)
         self.registry.register(self.engine)
 

@@ -30,8 +30,12 @@ class TextPart(msgspec.Struct, kw_only=True):
     text: str = ""
 
 
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
+    role: Role
+    """OpenAI's roles; another (a typo, "wizard") is refused rather than rendered as a turn."""
     content: str | list[TextPart] | None = None
 
     def text(self) -> str:
@@ -247,6 +251,10 @@ class BadRequest(InvalidInputError):
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param, self.code = param, code
+
+
+class ModelNotFound(BadRequest):
+    """A model this server does not serve: 404, as OpenAI answers."""
 
 
 _AT = re.compile(r" - at `\$\.?([^`]*)`")
