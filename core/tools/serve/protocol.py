@@ -55,6 +55,10 @@ class _Common(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     """Not in the OpenAI API: generate max_tokens tokens whatever comes (benchmarks use it)."""
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    """Not in the OpenAI API; accepted as vLLM does."""
 
     @property
     def include_usage(self) -> bool:
@@ -71,7 +75,9 @@ class _Common(msgspec.Struct, kw_only=True):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         max_tokens = self.max_tokens if self.max_tokens is not None else max_model_len - prompt_len
         params = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
+                                top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
+                                frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                                repetition_penalty=self.repetition_penalty)
         return params.validate(vocab_size)
 
 
