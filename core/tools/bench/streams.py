@@ -6,14 +6,13 @@ runs can share one engine and its start-up cost).
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
 import anyio
-from tqdm import tqdm
 
 from ...frontend.async_engine import AsyncEngine
+from ...progress import Progress
 from ...sampling_params import SamplingParams
 from ..datasets import humaneval_messages
 from .command import ms, percentile
@@ -63,13 +62,13 @@ async def run_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sam
     spans: list[tuple[float, float]] = []
     requests: list[list[float]] = []
     pending = iter(range(len(prompts)))
-    bar = tqdm(total=len(prompts), desc=desc, unit="req", file=sys.stderr, disable=None)
+    bar = Progress(desc, len(prompts), len(prompts) * params.max_tokens)
 
     async def worker() -> None:
         for i in pending:  # one iterator shared by the workers: each prompt runs once
             out = None
-            async for out in engine.generate(prompts[i], params):  # noqa: B007 - the last output is kept
-                pass
+            async for out in engine.generate(prompts[i], params):
+                bar.tokens(len(out.delta_token_ids))
             assert out is not None and out.timing is not None
             outputs[i] = out.token_ids
             t = out.timing
@@ -80,7 +79,7 @@ async def run_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sam
                 ttft.append(t.first_token - t.arrival)
                 if t.finished is not None and len(out.token_ids) > 1:
                     tpot.append((t.finished - t.first_token) / (len(out.token_ids) - 1))
-            bar.update(1)
+            bar.request_done()
 
     before = await engine.stats()
     started = time.monotonic()
