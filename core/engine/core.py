@@ -423,7 +423,7 @@ class EngineCore:
                     await emit(CoreOutputs(refused))
                 while len(in_flight) < depth and (frame := self.scheduler.schedule()) is not None:
                     self.ledger.submit(frame)
-                    in_flight.append(InFlight(frame, time.perf_counter(), runner.submit(self.runner.launch, frame)))
+                    in_flight.append(InFlight(frame, time.perf_counter(), runner.submit(self.runner.launch, frame)))  # type: ignore[arg-type]  # both runners return a pending step
                 if not in_flight:
                     await self._idle()
                     continue

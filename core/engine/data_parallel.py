@@ -45,9 +45,9 @@ class DataParallelGroup:
     def agree(self, rows: int, needs_drafts: bool, has_work: bool, stopping: bool) -> Agreement:
         self.buf[0], self.buf[1], self.buf[2], self.buf[3] = rows, int(needs_drafts), int(has_work), int(stopping)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
+        opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # torch types the enum member apart
         try:
-            self.group.allreduce([self.buf], opts).wait()
+            self.group.allreduce([self.buf], opts).wait()  # type: ignore[attr-defined]  # the group's C++ method, unstubbed
         except RuntimeError as e:
             raise EngineDeadError(f"data-parallel rank {self.rank}: a peer rank is gone ({e})") from None
         self.num_steps += 1

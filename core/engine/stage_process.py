@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import torch
@@ -77,10 +77,10 @@ class Stage:
         transport_cls = registry.load("transport", "torch_dist")
         self.to_first: Any = None
         if world > 1 and (self.slice.first or self.slice.last):
-            self.to_first = transport_cls(group, world - 1 if self.slice.first else 0, self.max_rows, k)
+            self.to_first = cast(Any, transport_cls)(group, world - 1 if self.slice.first else 0, self.max_rows, k)
         self.to_core: Any = None
         if self.slice.last:
-            self.to_core = registry.load("transport", "zmq")(boot.results, bind=False, send_timeout_s=None)
+            self.to_core = cast(Any, registry.load("transport", "zmq"))(boot.results, bind=False, send_timeout_s=None)
         self.history: dict[int, StepFrame] = {}
         self.seen = -1
         self.digest = hashlib.sha256()

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -85,7 +85,7 @@ class Pipeline:
         self.reports = self.ctx.socket(zmq.PULL)
         self.reports.setsockopt(zmq.LINGER, 0)
         self.reports.bind("tcp://127.0.0.1:*")
-        self.results: Any = registry.load("transport", "zmq")("tcp://127.0.0.1:*", bind=True, ctx=self.ctx)
+        self.results: Any = cast(Any, registry.load("transport", "zmq"))("tcp://127.0.0.1:*", bind=True, ctx=self.ctx)
         boot = StageBootstrap(
             config=config, num_blocks=kv.num_blocks, max_model_len=kv.max_model_len,
             lookahead_slots=kv.lookahead_slots, draft_kv_bytes=kv.draft_kv_bytes,

@@ -25,8 +25,8 @@ from .model_runner import ModelRunner, PendingStep
 class StageSlice(NamedTuple):
     """Stage `index` of `count` runs the target's layers [start, end)."""
 
-    index: int
-    count: int
+    index: int  # type: ignore[assignment]  # a field named like tuple.index
+    count: int  # type: ignore[assignment]  # a field named like tuple.count
     start: int
     end: int
 
@@ -83,7 +83,7 @@ class HiddenLink:
 
 class StageRunner(ModelRunner):
     def __init__(self, *args: Any, stage: StageSlice, link: HiddenLink, **kwargs: Any) -> None:
-        super().__init__(*args, kv_layers=stage.end - stage.start, **kwargs)
+        super().__init__(*args, kv_layers=stage.end - stage.start, **kwargs)  # type: ignore[misc]  # args never hold kv_layers
         self.stage, self.link = stage, link
         self.dtype = self.model.norm.weight.dtype
         self.before = sorted(layer for layer in self.hidden_layers if layer < stage.start)
