@@ -51,13 +51,13 @@ def hf_folder(model: str, dtype: str) -> Path:
     if (out / "config.json").is_file():
         return out
     import torch  # the parent only: the child imports vLLM, which brings its own
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # optional: the peers need it
+    from transformers import AutoTokenizer  # optional: the peers need it
+
+    from .hf import load  # the HF peers' loader: the same dequantized weights
 
     print(f"bench decode: writing {path.name} as a Hugging Face folder for vLLM ({dtype})", file=sys.stderr)
     partial = Path(tempfile.mkdtemp(prefix=".hf-", dir=out.parent if out.parent.exists() else None))
-    model_hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                    dtype=getattr(torch, dtype), local_files_only=True)
-    model_hf.save_pretrained(partial)
+    load(model, getattr(torch, dtype), torch.device("cpu")).save_pretrained(partial)
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True).save_pretrained(partial)
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(partial, out)
