@@ -48,7 +48,7 @@ EXIT_INTERRUPTED = 130
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="speckernel", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"speckernel {version('speckernel')}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     gen = sub.add_parser("generate", help="generate a completion for one prompt, streamed")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt; - reads it from stdin")

@@ -83,8 +83,9 @@ def sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def structured_args(p: argparse.ArgumentParser) -> None:
-    """The constraint generate's output must match (one at most)."""
-    group = p.add_mutually_exclusive_group()
+    """The constraint generate's output must match (one at most, checked by `structured_from`: a
+    mutually exclusive group's usage line would not fit 80 columns)."""
+    group = p.add_argument_group("structured output (one at most)")
     group.add_argument("--json-schema", type=Path, metavar="FILE", help="output is JSON matching this JSON schema")
     group.add_argument("--json-object", action="store_true", help="output is a JSON object")
     group.add_argument("--regex", metavar="R", help="output matches this regular expression")
@@ -93,7 +94,14 @@ def structured_args(p: argparse.ArgumentParser) -> None:
     group.add_argument("--choice", nargs="+", metavar="TEXT", help="output is exactly one of these strings")
 
 
+STRUCTURED_FLAGS = {"json_schema": "--json-schema", "json_object": "--json-object", "regex": "--regex",
+                    "grammar": "--grammar", "choice": "--choice"}
+
+
 def structured_from(args: argparse.Namespace) -> StructuredOutput | None:
+    given = [flag for dest, flag in STRUCTURED_FLAGS.items() if getattr(args, dest, None) not in (None, False, [])]
+    if len(given) > 1:
+        raise InvalidInputError(f"{' and '.join(given)}: give one structured-output constraint at most")
     if getattr(args, "json_schema", None) is not None:
         return StructuredOutput(json_schema=read_text(args.json_schema, "--json-schema"))
     if getattr(args, "grammar", None) is not None:

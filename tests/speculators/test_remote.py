@@ -173,7 +173,7 @@ def test_a_pending_draft_never_reaches_the_next_owner_of_its_slot(eagle3: Server
         frames.append(frame)
         resolve(frame)
 
-    def checked(meta: Any, shape: Any) -> Any:  # what the step reads is each new prompt, whole
+    def checked(meta: Any, shape: Any, *rest: Any) -> Any:  # what the step reads is each new prompt, whole
         for row in frames[-1].rows:
             if row.start_pos == 0:
                 assert runner.pool.tokens[row.slot, : len(row.token_ids)].tolist() == list(row.token_ids)

@@ -65,6 +65,7 @@ CUDA = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU
         (["--prompt", "hi", "--max-model-len", "1"], ["--max-model-len", "in [2, ", "got 1"]),
         (["--prompt", "hi", "--model", "no/such/model.gguf"], ["unknown model 'no/such/model.gguf'"]),
         (["--prompt-file", "no/such/prompt.txt"], ["no/such/prompt.txt"]),
+        (["--prompt", "hi", "--regex", "a", "--json-object"], ["--json-object and --regex", "one structured-output"]),
         ([], ["--prompt", "--prompt-file", "required"]),
     ],
 )

@@ -190,7 +190,7 @@ ARGUMENTS["serve"] = serve_arguments
 
 def add_arguments(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmark scenarios (JSON, markdown table, plot)")
-    scenarios = bench.add_subparsers(dest="scenario", required=True)
+    scenarios = bench.add_subparsers(dest="scenario", required=True, metavar="SCENARIO")
     for name, help_text in SCENARIOS.items():
         p = scenarios.add_parser(name, help=help_text, description=help_text)
         ARGUMENTS[name](p)
