@@ -34,7 +34,7 @@ class JitWatch:
         runtime = getattr(knobs, "runtime", None)
         if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
             return False
-        if runtime.jit_post_compile_hook is not self._hook:
+        if runtime.jit_post_compile_hook != self._hook:  # a bound method is a new object each time: ==
             self._chained = runtime.jit_post_compile_hook
             runtime.jit_post_compile_hook = self._hook
         return True

@@ -57,7 +57,10 @@ def hf_folder(model: str, dtype: str) -> Path:
 
     print(f"bench decode: writing {path.name} as a Hugging Face folder for vLLM ({dtype})", file=sys.stderr)
     partial = Path(tempfile.mkdtemp(prefix=".hf-", dir=out.parent if out.parent.exists() else None))
-    load(model, getattr(torch, dtype), torch.device("cpu")).save_pretrained(partial)
+    hf = load(model, getattr(torch, dtype), torch.device("cpu"))
+    hf.hf_quantizer = None  # dequantized already: written as plain weights, which vLLM reads
+    hf.config.__dict__.pop("quantization_config", None)
+    hf.save_pretrained(partial)
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True).save_pretrained(partial)
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(partial, out)
@@ -68,7 +71,11 @@ def run_peers(model: str, dtype: str, prompts: list[list[int]], sizes: dict[int,
               k: int, max_num_seqs: int, max_model_len: int) -> dict[str, dict[str, Any]]:
     """{peer: {"runs": [one per concurrency], "start_s": ...}}; a peer that fails is reported
     with its error, and the engine's figures stand on their own."""
-    folder = hf_folder(model, dtype)
+    try:
+        folder = hf_folder(model, dtype)
+    except Exception as e:  # transformers cannot write this checkpoint: the engine's figures still stand
+        print(f"bench decode: no Hugging Face folder for vLLM: {e}", file=sys.stderr)
+        return {peer: {"error": f"no Hugging Face folder: {e}", "runs": []} for peer in PEERS}
     peers: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="speckernel-vllm-") as tmp:
         for peer in PEERS:
