@@ -84,14 +84,29 @@ def rows_with(n: int, temperature: float, **penalties: float) -> list[RowSamplin
     return [RowSampling(temperature, 0, 1.0, seed=11 + i, position=5, **penalties) for i in range(n)]
 
 
+def grammar_bitmask(rows: int, positions: int, seed: int) -> torch.Tensor:
+    """[rows, positions, W] int32: a random half of the vocabulary allowed at each position (token
+    7 always, so the penalty is what moves it), in the grammar engines' bit layout."""
+    rng = np.random.default_rng(seed)
+    allowed = rng.random((rows, positions, V)) < 0.5
+    allowed[..., 7] = True
+    words = np.zeros((rows, positions, (V + 31) // 32), np.uint32)
+    for v in range(V):
+        words[..., v // 32] |= allowed[..., v].astype(np.uint32) << np.uint32(v % 32)
+    return torch.from_numpy(words.view(np.int32))
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "grammar"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_verification_under_penalties_emits_what_plain_sampling_emits(temperature: float) -> None:
+def test_verification_under_penalties_emits_what_plain_sampling_emits(temperature: float, masked: bool) -> None:
     """Drafts that are plain decoding's own tokens are all accepted, position by position under
-    the counts their predecessors left; the tokens equal plain sampling's, one step at a time."""
+    the counts their predecessors left; the tokens equal plain sampling's, one step at a time.
+    With a structured-output grammar's bitmask too, the two compose the same way in both."""
     g = torch.Generator().manual_seed(3)
     rows, k = 3, 4
     logits = torch.randn(rows, k + 1, V, generator=g)
     logits[:, :, 7] += 4.0  # a token every position likes: only the penalty moves it
+    bitmask = grammar_bitmask(rows, k + 1, seed=5) if masked else None
     hist = torch.full((rows + 1, 16), -1, dtype=torch.int64)
     hist[:rows, :6] = torch.tensor([1, 2, 3, 7, 7, 9])
     params = dict(repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5)
@@ -104,14 +119,18 @@ def test_verification_under_penalties_emits_what_plain_sampling_emits(temperatur
     for j in range(k + 1):
         counts = count_history(hist, slots, prompt_len, length + j, V)
         step = [RowSampling(temperature, 0, 1.0, seed=21 + r, position=2 + j, **params) for r in range(rows)]
-        tok = sample_on_device(logits[:, j], SamplingTensors.from_rows(step, "cpu"), counts=counts)
+        tok = sample_on_device(logits[:, j], SamplingTensors.from_rows(step, "cpu"), counts=counts,
+                               bitmask=None if bitmask is None else bitmask[:, j])
         hist[slots, 6 + j] = tok
         plain.append(tok)
     plain_t = torch.stack(plain, 1)
     counts = count_history(hist, slots, prompt_len, length, V)
-    out, nacc = verify(logits, plain_t[:, :k], st, counts=counts)
+    out, nacc = verify(logits, plain_t[:, :k], st, counts=counts, bitmask=bitmask)
     assert nacc.tolist() == [k] * rows
     assert torch.equal(out, plain_t)
+    if bitmask is not None:
+        allowed = ((bitmask[..., None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten(-2)[..., :V]
+        assert allowed.gather(-1, out[..., None]).all(), "a token the grammar forbids was emitted"
 
 
 def test_rows_without_penalties_need_no_counts_and_keep_their_tokens() -> None:
