@@ -26,6 +26,7 @@ from .config import EngineConfig
 from .engine.core import EngineCore
 from .models.checkpoint import load_tokenizer, resolve
 from .plugin import Drafts, Speculator, SpeculatorCapabilities, TargetStates, TrainableSpeculator
+from .progress import Progress, waiting
 from .sampling_params import SamplingParams
 from .wire.messages import AddRequest
 
@@ -76,8 +77,10 @@ class _Recorder:
         self.inner.sync(states)
 
 
-def _run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], int]:
+def _run(core: EngineCore, prompts: list[list[int]], params: SamplingParams,
+         desc: str) -> tuple[list[list[int]], int]:
     """Greedy outputs in prompt order, and the number of frame rows the runner executed."""
+    bar = Progress(desc, len(prompts), len(prompts) * params.max_tokens)
     out: dict[int, list[int]] = {}
     base = core.num_steps * 1000
     rows = 0
@@ -92,6 +95,10 @@ def _run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> 
         core.ledger.submit(frame)
         for delta in core._apply(core.execute(frame)):
             out[delta.key].extend(delta.new_token_ids)
+            bar.tokens(len(delta.new_token_ids))
+            if delta.finish_reason is not None:
+                bar.request_done()
+    bar.close()
     return [out[base + i] for i in range(len(prompts))], rows
 
 
@@ -101,25 +108,29 @@ def check_speculator(name: str, *, model: str = "smollm2-135m", k: int = 3, max_
     caps = check_capabilities(registry.load("speculator", name))
     k = min(k, caps.max_k)
     base = EngineConfig(model=model, platform=platform, max_model_len=512, max_num_batched_tokens=6)
-    plain = EngineCore(base)
+    what = f"check_speculator {name}"
+    with waiting(f"{what}: loading {model}"):
+        plain = EngineCore(base)
     tokenizer = load_tokenizer(resolve(model))
     ids = [tokenizer.encode(p) for p in prompts]
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    expected, _ = _run(plain, ids, greedy)
+    expected, _ = _run(plain, ids, greedy, f"{what}: without it")
     del plain
 
-    spec = EngineCore(msgspec.structs.replace(base, speculator=name, num_speculative_tokens=k,
-                                              draft_model=draft_model))
+    with waiting(f"{what}: loading {model} with {name}"):
+        spec = EngineCore(msgspec.structs.replace(base, speculator=name, num_speculative_tokens=k,
+                                                  draft_model=draft_model))
     assert spec.speculator is not None, f"the engine loaded no speculator {name!r}"
     recorder = _Recorder(spec.speculator)
     spec.runner.speculator = recorder  # type: ignore[union-attr]
-    got, rows_run = _run(spec, ids, greedy)
+    got, rows_run = _run(spec, ids, greedy, f"{what}: with it")
     assert recorder.rows_seen == rows_run, (
         f"the speculator saw {recorder.rows_seen} rows of the {rows_run} the runner executed")
     for i, (want, have) in enumerate(zip(expected, got, strict=True)):
         assert want == have, f"greedy output differs with {name!r} on prompt {i}: {want} != {have}"
     # A request alone that is sure to finish with its first token: a K=0 step with a row to sync.
-    (single,), _ = _run(spec, ids[:1], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    (single,), _ = _run(spec, ids[:1], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+                        f"{what}: a K=0 step")
     assert single == expected[0][:1], f"K=0 step changed the output: {single} != {expected[0][:1]}"
 
     device = spec.runner.device  # type: ignore[union-attr]  # conformance runs one process

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from functools import cache
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -61,6 +62,14 @@ def pick_platform(name: str | None = None) -> Platform:
     return max(available, key=lambda c: c.capabilities.priority)()
 
 
+def description(cls: Any) -> str:
+    """A plugin's first sentence: its class's own docstring, else its module's."""
+    doc = cls.__dict__.get("__doc__") or getattr(sys.modules.get(cls.__module__), "__doc__", None) or ""
+    text = " ".join(doc.split())
+    end = text.find(". ")
+    return text[: end + 1] if end >= 0 else text
+
+
 def describe() -> dict[str, dict[str, Any]]:
     """Every discovered plugin with its declared capabilities, for `speckernel plugins`."""
     out: dict[str, dict[str, Any]] = {}
@@ -69,7 +78,8 @@ def describe() -> dict[str, dict[str, Any]]:
         for name, ep in sorted(discover(kind).items()):
             try:
                 cls = ep.load()
-                entry = {"entry_point": ep.value, **msgspec.to_builtins(cls.capabilities)}
+                entry = {"entry_point": ep.value, "description": description(cls),
+                         **msgspec.to_builtins(cls.capabilities)}
                 options = getattr(cls, "Options", None)
                 if options is not None:  # a speculator's options with their defaults
                     entry["options"] = {f.name: None if f.default is msgspec.NODEFAULT else f.default

@@ -32,6 +32,10 @@ Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT64)]
 """Seeds travel as int64 on the device."""
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(ge=0.01, le=100.0)]
+"""1 is off. Bounded so that logits divided or multiplied by it stay finite float32 numbers."""
+AdditivePenalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+"""OpenAI's range for frequency_penalty and presence_penalty; 0 is off."""
 StopString = Annotated[str, msgspec.Meta(min_length=1)]
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -196,10 +200,23 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
     ahead; validate() sets it for a request with `structured`."""
     structured: StructuredOutput | None = None
     """The grammar the output must match (a JSON schema, a regex, a Lark grammar, a choice)."""
+    repetition_penalty: RepetitionPenalty = 1.0
+    """vLLM's (after CTRL): the logit of every token already in the prompt or the output is divided
+    by it when positive, multiplied by it when not. > 1 discourages repeats."""
+    frequency_penalty: AdditivePenalty = 0.0
+    """OpenAI's: subtracted from a token's logit once per time it occurs in the output so far."""
+    presence_penalty: AdditivePenalty = 0.0
+    """OpenAI's: subtracted from a token's logit once if it occurs in the output so far."""
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty is on: the sampler counts this request's tokens (rows without any keep
+        the plain path)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """The same parameters with exact Python types (numpy scalars become int/float, a list
@@ -258,3 +275,10 @@ class RowSampling(msgspec.Struct, frozen=True, array_like=True):
     seed: int
     position: int
     """Index of the output token this row samples; with the seed it fixes the random draw."""
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

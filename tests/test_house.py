@@ -19,7 +19,7 @@ PACKAGES = {"core": "speckernel", "speculators": "speckernel.speculators", "plat
             "transports": "speckernel.transports"}
 
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "log", "config", "sampling_params", "outputs", "model_config"),
+    ("errors", "log", "progress", "config", "sampling_params", "outputs", "model_config"),
     ("attention", "platform", "transport", "plugin", "registry", "wire"),
     ("ops", "models"),
     ("kernel",),

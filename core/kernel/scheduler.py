@@ -184,7 +184,8 @@ class Scheduler:
         sampling = None
         if final:
             sampling = RowSampling(p.temperature, p.top_k, p.top_p, req.seed,
-                                   len(req.output_token_ids) + req.num_placeholders + req.num_unverified)
+                                   len(req.output_token_ids) + req.num_placeholders + req.num_unverified,
+                                   p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
             req.num_placeholders += 1
             req.num_unverified += len(drafts) + slots
         return ScheduledRow(req.key, req.generation, req.slot, start, req.token_ids(start, start + n),

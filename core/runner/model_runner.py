@@ -36,6 +36,7 @@ from ..models.llama import LlamaModel
 from ..models.paged import new_kv_cache
 from ..platform import HostGate
 from ..plugin import Drafts, Speculator, TargetModel, TargetStates
+from .penalties import count_history
 from .sampler import SamplingTensors, sample_on_device
 from .step_graphs import StepGraphs
 from .step_shape import DeviceOutputs, StepShape
@@ -45,8 +46,9 @@ from .verify import verify
 log = logmod.get("runner")
 
 # Columns of the per-row plan the host sends with each step.
-SLOT, NUM_DRAFTS, OUT_POS, SAMPLES, SEED, POSITION, TOP_K, TEMPERATURE, TOP_P, SHIFTED = range(10)
-ROW_FIELDS = 10
+SLOT, NUM_DRAFTS, OUT_POS, SAMPLES, SEED, POSITION, TOP_K, TEMPERATURE, TOP_P, SHIFTED, REPETITION, FREQUENCY, \
+    PRESENCE = range(13)
+ROW_FIELDS = 13
 
 
 def confirmed_lens(seq_lens: torch.Tensor, num_drafts: torch.Tensor, samples: torch.Tensor,
@@ -190,6 +192,7 @@ class ModelRunner:
                          max_query_len=max((r.num_tokens for r in rows), default=0),
                          all_greedy=all(s.temperature == 0.0 for s in sampling),
                          any_filter=any(s.top_k > 0 or s.top_p < 1.0 for s in sampling),
+                         any_penalty=any(s.penalized for s in sampling),
                          decode_like=all(r.sampling is not None and r.num_tokens == 1 + r.num_drafts for r in rows),
                          propose_width=propose)
 
@@ -206,8 +209,9 @@ class ModelRunner:
             if s is not None:
                 extra[i, SEED:TOP_K + 1] = (s.seed, s.position, s.top_k)
                 floats[i, TEMPERATURE], floats[i, TOP_P] = s.temperature, s.top_p
+                floats[i, REPETITION:PRESENCE + 1] = (s.repetition_penalty, s.frequency_penalty, s.presence_penalty)
             else:
-                floats[i, TOP_P] = 1.0
+                floats[i, TOP_P] = floats[i, REPETITION] = 1.0
         host_n = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
         n = int(host_n.sum())
         tail = np.empty(3 * n, np.int64)
@@ -221,7 +225,7 @@ class ModelRunner:
         if padded.rows > len(rows):
             pad = np.zeros((padded.rows - len(rows), ROW_FIELDS), np.int64)
             pad[:, SLOT] = self.num_slots  # the spare row of the token buffer
-            pad.view(np.float64)[:, TOP_P] = 1.0
+            pad.view(np.float64)[:, [TOP_P, REPETITION]] = 1.0
             extra = np.concatenate([extra, pad])
         return self.attention.prepare(chunks, num_tokens=padded.tokens, num_rows=padded.rows, row_extra=extra,
                                       tail=tail, max_query_len=padded.max_query_len)
@@ -260,12 +264,19 @@ class ModelRunner:
         floats = extra.view(torch.float64)
         st = SamplingTensors(temperature=floats[:, TEMPERATURE].float(), top_k=extra[:, TOP_K],
                              top_p=floats[:, TOP_P].float(), seed=extra[:, SEED], position=extra[:, POSITION],
-                             all_greedy=shape.all_greedy, any_filter=shape.any_filter)
+                             all_greedy=shape.all_greedy, any_filter=shape.any_filter,
+                             repetition_penalty=floats[:, REPETITION].float(),
+                             frequency_penalty=floats[:, FREQUENCY].float(),
+                             presence_penalty=floats[:, PRESENCE].float(), any_penalty=shape.any_penalty)
+        # What each row said before this step's output (its drafts are added per position by
+        # verify); its prompt is what precedes output token number POSITION.
+        counts = count_history(tokens, slot, out_pos - extra[:, POSITION], out_pos, self.model.cfg.vocab_size) \
+            if shape.any_penalty else None
         last = (meta.query_start[1:] - 1).clamp(min=0)
         width = shape.verify_width
         if width == 0:
             out = sample_on_device(self.model.logits(hidden[last]), st, use_triton=self.use_triton,
-                                   bitmask=None if bitmask is None else bitmask[:, 0])[:, None]
+                                   bitmask=None if bitmask is None else bitmask[:, 0], counts=counts)[:, None]
             nacc = torch.zeros_like(slot)
         else:
             cols = torch.arange(width + 1, device=self.device)
@@ -274,7 +285,8 @@ class ModelRunner:
             draft_ids = torch.where(cols[None, :width] < num_drafts[:, None], tokens[slot[:, None], draft_pos], -1)
             probs = None if self.draft_probs is None else self.draft_probs[slot, :width]
             logits = self.model.logits(hidden[index.clamp(min=0)])
-            out, nacc = verify(logits, draft_ids, st, probs, use_triton=self.use_triton, bitmask=bitmask)
+            out, nacc = verify(logits, draft_ids, st, probs, use_triton=self.use_triton, bitmask=bitmask,
+                               counts=counts)
         # Confirmed tokens land right after each row's last verified input; rows that do not
         # sample write into the spare last column, which nothing reads.
         samples = extra[:, SAMPLES] > 0

@@ -4,7 +4,9 @@ Every row's parameters are device tensors (`SamplingTensors`), so one fixed sequ
 serves any mix of rows: no Python loop over rows, no host sync, no data-dependent shape, which
 is what lets a step be captured in a CUDA graph. Two host-known flags only choose which kernels
 run (argmax alone for an all-greedy batch; the sort for top-k/top-p only when some row filters);
-they never change a row's result, so a caller may set them conservatively.
+they never change a row's result, so a caller may set them conservatively. A third,
+`any_penalty`, runs the penalties (`penalties`) on the raw logits first; rows without any are left
+as they were, but the counts they need must be given (`TokenCounts`).
 
 Randomness is counter-based: the noise for vocabulary entry v of a row's output token number
 `position` is a hash of (seed, position, v), computed with 64-bit integer ops (a splitmix64
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from ..sampling_params import MIN_TEMPERATURE, RowSampling
+from .penalties import TokenCounts, apply_penalties
 
 MIX = 0x9E3779B97F4A7C15
 
@@ -196,6 +199,15 @@ class SamplingTensors:
     """Host-known: every row is greedy, so only argmax runs. False is always safe."""
     any_filter: bool
     """Host-known: some sampled row has top_k > 0 or top_p < 1, so the sort runs. True is always safe."""
+    repetition_penalty: torch.Tensor | None = None
+    """[R] float32, 1.0 = off; None: every row's is off (so are the two below)."""
+    frequency_penalty: torch.Tensor | None = None
+    """[R] float32, 0.0 = off."""
+    presence_penalty: torch.Tensor | None = None
+    """[R] float32, 0.0 = off."""
+    any_penalty: bool = False
+    """Host-known: some row has a penalty, so the counts are read and the penalties run (the three
+    tensors above are then set). True is always safe, given the counts."""
 
     @classmethod
     def from_rows(cls, rows: Sequence[RowSampling], device: torch.device | str,
@@ -204,18 +216,21 @@ class SamplingTensors:
         len(rows), up to pad_to, are greedy padding: harmless, and they keep the shape fixed."""
         device = torch.device(device)
         n = max(len(rows), pad_to or 0)
-        packed = np.zeros((5, n), np.int64)
+        packed = np.zeros((8, n), np.int64)
         floats = packed[3:].view(np.float64)
-        floats[1] = 1.0  # padding: top_p off, temperature 0
+        floats[1] = floats[2] = 1.0  # padding: top_p and repetition penalty off, temperature 0
         if rows:
             packed[:3, : len(rows)] = np.array([(s.top_k, s.seed, s.position) for s in rows], np.int64).T
-            floats[:, : len(rows)] = np.array([(s.temperature, s.top_p) for s in rows], np.float64).T
+            floats[:, : len(rows)] = np.array([(s.temperature, s.top_p, s.repetition_penalty, s.frequency_penalty,
+                                                s.presence_penalty) for s in rows], np.float64).T
         host = torch.from_numpy(packed)
         on_device = host.pin_memory().to(device, non_blocking=True) if device.type != "cpu" else host
+        f = on_device[3:].view(torch.float64).float()
         sampled = [s for s in rows if not is_greedy(s.temperature)]
-        return cls(temperature=on_device[3].view(torch.float64).float(), top_k=on_device[0],
-                   top_p=on_device[4].view(torch.float64).float(), seed=on_device[1], position=on_device[2],
-                   all_greedy=not sampled, any_filter=any(s.top_k > 0 or s.top_p < 1.0 for s in sampled))
+        return cls(temperature=f[0], top_k=on_device[0], top_p=f[1], seed=on_device[1], position=on_device[2],
+                   all_greedy=not sampled, any_filter=any(s.top_k > 0 or s.top_p < 1.0 for s in sampled),
+                   repetition_penalty=f[2], frequency_penalty=f[3], presence_penalty=f[4],
+                   any_penalty=any(s.penalized for s in rows))
 
     @property
     def num_rows(self) -> int:
@@ -232,17 +247,36 @@ class SamplingTensors:
         def rep(t: torch.Tensor) -> torch.Tensor:
             return t[:, None].expand(-1, n).contiguous().view(-1)
 
+        def rep_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else rep(t)
+
         offsets = torch.arange(n, dtype=torch.int64, device=self.position.device)
         return SamplingTensors(temperature=rep(self.temperature), top_k=rep(self.top_k), top_p=rep(self.top_p),
                                seed=rep(self.seed), position=(self.position[:, None] + offsets).reshape(-1),
-                               all_greedy=self.all_greedy, any_filter=self.any_filter)
+                               all_greedy=self.all_greedy, any_filter=self.any_filter,
+                               repetition_penalty=rep_or_none(self.repetition_penalty),
+                               frequency_penalty=rep_or_none(self.frequency_penalty),
+                               presence_penalty=rep_or_none(self.presence_penalty), any_penalty=self.any_penalty)
 
     def copy_(self, src: SamplingTensors) -> None:
         """Fills these (static, e.g. graph-captured) tensors from src of the same row count. A graph
         captured with flags (all_greedy, any_filter) serves src when src.all_greedy or not
         all_greedy, and not src.any_filter or any_filter."""
-        for name in ("temperature", "top_k", "top_p", "seed", "position"):
-            getattr(self, name).copy_(getattr(src, name), non_blocking=True)
+        for name in ("temperature", "top_k", "top_p", "seed", "position", "repetition_penalty",
+                     "frequency_penalty", "presence_penalty"):
+            mine, theirs = getattr(self, name), getattr(src, name)
+            if mine is not None and theirs is not None:
+                mine.copy_(theirs, non_blocking=True)
+
+    def penalize(self, logits: torch.Tensor, counts: TokenCounts | None) -> torch.Tensor:
+        """logits [R, V] with each row's penalties applied (float32), or as given when no row has any."""
+        if not self.any_penalty:
+            return logits
+        if counts is None or self.repetition_penalty is None or self.frequency_penalty is None \
+                or self.presence_penalty is None:
+            raise ValueError("a step with penalties needs their values and the token counts")
+        return apply_penalties(logits, counts, self.repetition_penalty, self.frequency_penalty,
+                               self.presence_penalty)
 
 
 def is_greedy(temperature: float) -> bool:
@@ -309,12 +343,14 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | None) -> t
 
 
 def sample_on_device(logits: torch.Tensor, st: SamplingTensors | Sequence[RowSampling],
-                     use_triton: bool = False, bitmask: torch.Tensor | None = None) -> torch.Tensor:
+                     use_triton: bool = False, bitmask: torch.Tensor | None = None,
+                     counts: TokenCounts | None = None) -> torch.Tensor:
     """logits [R, V] -> [R] int64 tokens on the device; graph-capturable when st is SamplingTensors.
     use_triton fuses the noise into the race (one pass over p instead of a dozen); bitmask [R, W]
-    restricts each row to the tokens its grammar allows."""
+    restricts each row to the tokens its grammar allows; counts: what the rows said so far, needed
+    when st.any_penalty. Penalties change the raw logits first; a forbidden token stays at -inf."""
     st = as_sampling_tensors(st, logits.device)
-    logits = apply_token_bitmask(logits, bitmask)
+    logits = apply_token_bitmask(st.penalize(logits, counts), bitmask)
     greedy = logits.argmax(-1)
     if st.all_greedy:
         return greedy

@@ -125,7 +125,7 @@ class StepGraphs:
 
     def padded(self, shape: StepShape) -> StepShape | None:
         """The captured shape that serves this step, or None (run it eagerly)."""
-        if not self.graphs:
+        if not self.graphs or shape.any_penalty:  # captured graphs skip the counting
             return None
         any_filter = shape.any_filter and not shape.all_greedy
         if shape.decode_like:

@@ -27,6 +27,9 @@ class StepShape:
     """Every row samples and has one input token plus its drafts (what graphs serve)."""
     propose_width: int = 0
     """Drafts a device-only speculator proposes inside the step: K, or 0 (its sync pass, or none)."""
+    any_penalty: bool = False
+    """Some row has a repetition, frequency or presence penalty: the step counts tokens (eagerly:
+    no graph is captured for it)."""
 
 
 @dataclass

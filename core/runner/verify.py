@@ -24,6 +24,10 @@ row samples with exactly the noise `sampler.sample_on_device` uses for that row'
 position + j, so a row without drafts samples what plain sampling samples, whatever else is in
 the batch.
 
+Penalties (`penalties`) change the logits of every position before all of this: position j counts
+the row's output plus drafts 0..j-1, which it is only reached with when they were accepted, i.e.
+when they are the tokens plain decoding emitted there. So speculation stays lossless under them.
+
 The acceptance step and the race that samples each position have Triton kernels for GPUs
 (use_triton) and torch paths elsewhere; both give the same tokens and are checked against each
 other (Triton also runs on CPU under TRITON_INTERPRET=1).
@@ -36,6 +40,7 @@ from collections.abc import Sequence
 import torch
 
 from ..sampling_params import RowSampling
+from .penalties import TokenCounts
 from .sampler import SamplingTensors, apply_token_bitmask, as_sampling_tensors, probs_on_device, race, uniform
 
 DRAFT_SALT = 0x5EED
@@ -122,16 +127,23 @@ def verify(
     draft_probs: torch.Tensor | None = None,
     use_triton: bool = False,
     bitmask: torch.Tensor | None = None,
+    counts: TokenCounts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [R, K+1, V] target logits at each row's last host token and its K drafts;
     draft_ids: [R, K] int64 (-1: no draft there); draft_probs: [R, K, V] the proposal q, or None
     for a deterministic drafter (q one-hot at the draft); bitmask [R, K+1, W]: the tokens each
-    position's grammar allows given the drafts before it (structured output). Returns (tokens
-    [R, K+1] -1 padded, num_accepted [R]). Graph-capturable when st is SamplingTensors."""
-    logits = apply_token_bitmask(logits, bitmask)
+    position's grammar allows given the drafts before it (structured output); counts: [R] rows of
+    what each row said before its drafts (needed when st.any_penalty: position j is penalized for
+    drafts 0..j-1 too). Returns (tokens [R, K+1] -1 padded, num_accepted [R]). Graph-capturable
+    when st is SamplingTensors."""
     r, k1, v = logits.shape
     k = k1 - 1
     st = as_sampling_tensors(st, logits.device)
+    if st.any_penalty:
+        if counts is None:
+            raise ValueError("verifying a step with penalties needs the token counts")
+        logits = st.columns(k1).penalize(logits.reshape(r * k1, v), counts.with_drafts(draft_ids)).view(r, k1, v)
+    logits = apply_token_bitmask(logits, bitmask)
     best = logits.argmax(-1)  # [R, K+1]: greedy rows' tokens
     greedy_px = (best[:, :k] == draft_ids).float()
     ones = torch.ones_like(greedy_px)

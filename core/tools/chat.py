@@ -26,6 +26,7 @@ from prompt_toolkit.history import InMemoryHistory
 from ..errors import InvalidInputError, PromptTooLongError
 from ..frontend.async_engine import AsyncEngine
 from ..outputs import RequestOutput
+from ..progress import loading_what, waiting
 from ..sampling_params import SamplingParams
 from .engine_args import utf8
 
@@ -268,7 +269,9 @@ def note(text: str) -> None:
 
 async def run(args: argparse.Namespace) -> int:
     lines: PipeLines | TerminalLines = TerminalLines() if sys.stdin.isatty() and sys.stdout.isatty() else PipeLines()
-    async with AsyncEngine(args.config) as engine:
+    async with contextlib.AsyncExitStack() as stack:
+        with waiting(loading_what(args.config)):
+            engine = await stack.enter_async_context(AsyncEngine(args.config))
         chat = Chat(engine, args.params, args.system)
         code = EXIT_INTERRUPTED
         async with anyio.create_task_group() as tg:

@@ -8,11 +8,15 @@ before the model loads. Ctrl-C exits with code 130.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
 import sys
+import textwrap
 import time
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -21,7 +25,10 @@ from .. import log
 from ..engine.check import check
 from ..errors import InvalidInputError, PromptTooLongError, SpeckernelError
 from ..frontend.async_engine import AsyncEngine
-from ..models.checkpoint import load_tokenizer
+from ..models.builtin import BUILTIN_MODELS, DEFAULT_MODEL, cached
+from ..models.checkpoint import load_tokenizer, read_config, resolve
+from ..outputs import RequestOutput
+from ..progress import loading_what, waiting
 from ..registry import describe
 from .bench.args import add_arguments as add_bench_arguments
 from .bench.command import main as bench_main
@@ -55,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt-file", type=Path, metavar="PATH", help="read the prompt from a UTF-8 file")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as-is, without the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.add_argument("--quiet", action="store_true",
+                     help="no summary line (tokens, tok/s, acceptance) on stderr, no load progress")
     engine_args(gen)
     sampling_args(gen, 256)
     structured_args(gen)
@@ -112,9 +121,29 @@ def check_prompt_fits(text: str, messages: list[dict[str, str]] | None, path: Pa
 # --- commands -------------------------------------------------------------------------------
 
 
+def summary(out: RequestOutput, load_s: float) -> str:
+    """generate's one line on stderr: tokens, speed, time to the first token, acceptance."""
+    n = len(out.token_ids)
+    timing = out.timing
+    parts = [f"{n} token{'s' if n != 1 else ''}"]
+    if timing is not None and timing.first_token is not None and timing.finished is not None:
+        decode_s = timing.finished - timing.first_token
+        if n > 1 and decode_s > 0:
+            parts.append(f"{(n - 1) / decode_s:.1f} tok/s")
+        parts.append(f"first token {timing.first_token - timing.arrival:.2f}s")
+    parts.append(f"load {load_s:.1f}s")
+    stats = out.stats or {}
+    if stats.get("num_draft_tokens"):
+        parts.append(f"acceptance {stats['num_accepted_tokens'] / stats['num_draft_tokens']:.0%} "
+                     f"({stats['num_accepted_tokens']}/{stats['num_draft_tokens']} drafts)")
+    return f"speckernel: {', '.join(parts)} ({out.finish_reason})"
+
+
 async def cmd_generate(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    async with AsyncEngine(args.config) as engine:
+    async with contextlib.AsyncExitStack() as stack:
+        with waiting(loading_what(args.config)) if not args.quiet else contextlib.nullcontext():
+            engine = await stack.enter_async_context(AsyncEngine(args.config))
         loaded = time.monotonic()
         if args.raw:
             stream = engine.generate(args.prompt_text, args.params)
@@ -129,6 +158,10 @@ async def cmd_generate(args: argparse.Namespace) -> int:
         stats = await engine.stats()
     if not args.json:
         sys.stdout.write("\n")
+        sys.stdout.flush()
+    if not args.quiet:
+        print(summary(out, loaded - started), file=sys.stderr)
+    if not args.json:
         return 0
     timing = out.timing
     assert timing is not None
@@ -151,16 +184,48 @@ async def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def for_default_model(found: dict[str, dict[str, Any]]) -> None:
+    """Speculators whose declarations depend on the target (the hidden layers a learned drafter
+    reads) described for the default model, when it is on disk: listing plugins fetches nothing."""
+    if not cached(BUILTIN_MODELS[DEFAULT_MODEL]):
+        return
+    # torch and the speculator classes: only here, where the capabilities for a target are computed.
+    import torch
+
+    from .. import registry
+    from ..plugin import SpeculatorContext
+
+    path = resolve(DEFAULT_MODEL)
+    for name, entry in found.get("speculators", {}).items():
+        try:
+            cls = registry.load("speculator", name)
+            if not hasattr(cls, "capabilities_for") or not hasattr(cls, "Options"):
+                continue
+            options = cls.Options()
+            ctx = SpeculatorContext(target=read_config(path), target_path=path, device=torch.device("cpu"),
+                                    dtype=torch.float32, block_size=16, max_model_len=2048, num_speculative_tokens=1,
+                                    options=options)
+            entry.update(msgspec.to_builtins(cls.capabilities_for(ctx)))
+        except Exception:
+            continue
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     found = describe()
+    for_default_model(found)
     if args.json:
         print(json.dumps(found, indent=2))
         return 0
+    width = max(shutil.get_terminal_size().columns, 60)
+    indent = " " * 19
     for kind, entries in found.items():
         print(f"{kind}:")
         for name, caps in entries.items():
-            details = ", ".join(f"{k}={v}" for k, v in caps.items() if k != "entry_point")
-            print(f"  {name:<16} {details}")
+            about = caps.get("description") or caps.get("error", "")
+            print(f"  {name:<16} " + textwrap.shorten(about, max(width - 1 - len(indent), 20), placeholder="…"))
+            details = ", ".join(f"{k}={v}" for k, v in caps.items() if k not in ("entry_point", "description"))
+            print(textwrap.fill(details, width - 1, initial_indent=indent, subsequent_indent=indent,
+                                break_on_hyphens=False))
     return 0
 
 

@@ -80,6 +80,12 @@ def sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set holding this mass")
     p.add_argument("--seed", type=int, default=None, help="seed of this request (default: fresh randomness)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide the logits of tokens already in the prompt or output by this (1: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this per occurrence in the output from a token's logit, in [-2, 2]")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logit of every token in the output, in [-2, 2]")
 
 
 def structured_args(p: argparse.ArgumentParser) -> None:
@@ -150,7 +156,8 @@ def parse_options(items: list[str]) -> dict[str, str]:
 def params_from(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
-                          structured=structured_from(args)).validate()
+                          structured=structured_from(args), repetition_penalty=args.repetition_penalty,
+                          frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty).validate()
 
 
 def utf8(data: bytes, what: str) -> str:

@@ -139,3 +139,25 @@ def run_until_done(core: EngineCore, prompts: list[list[int]], params: list[Samp
 
     anyio.run(main)
     return [outs[900_000 + i] for i in range(len(prompts))]
+
+
+PENALIZED = [
+    SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, repetition_penalty=1.4),
+    SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, frequency_penalty=0.8, presence_penalty=0.6),
+    SamplingParams(max_tokens=14, temperature=0.8, seed=3, ignore_eos=True, presence_penalty=1.5, top_k=20),
+    GREEDY,  # a row without penalties next to rows with them
+    SamplingParams(max_tokens=14, temperature=0.7, seed=5, ignore_eos=True, frequency_penalty=-1.0),
+    SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, repetition_penalty=0.8),
+]
+"""One per prompt: the last stage samples, so its counts come from its own token buffer."""
+
+
+def test_pipeline_penalties_match_single_stage(prompts: list[list[int]]) -> None:
+    """Penalties under PP=2 with speculation (ngram, async) give the single-stage tokens."""
+    want, want_spec = outputs(config(1, "ngram", async_scheduling=True), prompts, PENALIZED)[:2]
+    unpenalized, _ = reference("ngram", True, prompts)
+    changed = [i for i, p in enumerate(PENALIZED) if p.greedy and p.penalized and want[i] != unpenalized[i]]
+    assert changed, "no penalty changed a greedy output: the test proves nothing"
+    got, spec, _, _ = outputs(config(2, "ngram", async_scheduling=True), prompts, PENALIZED)
+    assert got == want
+    assert spec["num_accepted_tokens"] == want_spec["num_accepted_tokens"]

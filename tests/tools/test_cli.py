@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
+import msgspec
 import pytest
 import torch
+
+from speckernel.outputs import RequestOutput, Timing
+from speckernel.tools.cli import summary
 
 CLI = [sys.executable, "-m", "speckernel.tools.cli"]
 
@@ -37,9 +42,26 @@ def test_generate_json_matches_hf_greedy(hf_model, tokenizer) -> None:  # type: 
 @pytest.mark.slow
 def test_generate_streams_chat_answer() -> None:
     proc = run("generate", "--prompt", "What is the capital of France?", "--max-tokens", "24",
-               "--temperature", "0", "--platform", "cpu")
+               "--temperature", "0", "--platform", "cpu", "--speculator", "ngram")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]  # one summary line, whatever logged before it
+    assert re.fullmatch(r"speckernel: \d+ tokens, [\d.]+ tok/s, first token [\d.]+s, load [\d.]+s"
+                        r"(, acceptance \d+% \(\d+/\d+ drafts\))? \((stop|length)\)", last), last
+    quiet = run("generate", "--prompt", "What is the capital of France?", "--max-tokens", "4",
+                "--temperature", "0", "--platform", "cpu", "--quiet")
+    assert quiet.returncode == 0 and "tok/s" not in quiet.stderr, quiet.stderr
+
+
+def test_summary_names_tokens_speed_and_acceptance() -> None:
+    out = RequestOutput(request_id="r", delta_text="", delta_token_ids=[], text="abc", token_ids=[1, 2, 3, 4, 5],
+                        prompt_token_ids=[9], finished=True, finish_reason="length",
+                        timing=Timing(arrival=10.0, first_token=10.5, finished=12.5),
+                        stats={"num_draft_tokens": 8, "num_accepted_tokens": 6})
+    assert summary(out, 7.31) == ("speckernel: 5 tokens, 2.0 tok/s, first token 0.50s, load 7.3s, "
+                                  "acceptance 75% (6/8 drafts) (length)")
+    plain = msgspec.structs.replace(out, token_ids=[1], stats={"num_draft_tokens": 0})
+    assert summary(plain, 1.0) == "speckernel: 1 token, first token 0.50s, load 1.0s (length)"
 
 
 @pytest.mark.parametrize(
@@ -50,6 +72,9 @@ def test_generate_streams_chat_answer() -> None:
         (["--top-p", "1.5"], "top_p"),
         (["--model", "/no/such/model.gguf"], "unknown model"),
         (["--platform", "tpu"], "unknown platform 'tpu'; available:"),
+        (["--repetition-penalty", "0"], "repetition_penalty: expected a number in [0.01, 100.0], got 0.0"),
+        (["--presence-penalty", "3"], "presence_penalty: expected a number in [-2.0, 2.0], got 3.0"),
+        (["--frequency-penalty", "-2.5"], "frequency_penalty: expected a number in [-2.0, 2.0], got -2.5"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:

@@ -144,6 +144,10 @@ BAD = [  # (endpoint, body overrides, the param the error must name)
     ("completions", {"prompt": [1, 2, 100_000]}, "prompt"),
     ("completions", {"prompt": None}, "prompt"),
     ("completions", {"n": 3, "stream": True}, "n"),
+    ("chat", {"frequency_penalty": 2.5}, "frequency_penalty"),
+    ("completions", {"presence_penalty": -3}, "presence_penalty"),
+    ("chat", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("chat", {"presence_penalty": "some"}, "presence_penalty"),
 ]
 
 

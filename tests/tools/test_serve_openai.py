@@ -1,6 +1,6 @@
 """The official `openai` client against `speckernel serve` on the real default model: streaming
 and non-streaming chat give, greedy, exactly what `speckernel generate` gives for the same
-prompt, with a speculator (ngram) and without."""
+prompt, with a speculator (ngram) and without, with sampling penalties and without."""
 
 from __future__ import annotations
 
@@ -22,32 +22,51 @@ PROMPT = "Name three rivers."
 MAX_TOKENS = 24
 
 
+PENALTIES = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "repetition_penalty": 1.3}
+"""OpenAI's two, and vLLM's repetition_penalty (an extra body field for the client)."""
+
+
+def generating(*flags: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "speckernel", "generate", "--prompt", PROMPT, "--json",
+                             "--temperature", "0", "--max-tokens", str(MAX_TOKENS), *REAL, *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def result(proc: subprocess.Popen[str]) -> dict[str, object]:
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    return dict(json.loads(stdout))
+
+
 def test_openai_client_greedy_equals_generate() -> None:
-    # `speckernel generate` runs while the two servers start.
-    generate = subprocess.Popen([sys.executable, "-m", "speckernel", "generate", "--prompt", PROMPT, "--json",
-                                 "--temperature", "0", "--max-tokens", str(MAX_TOKENS), *REAL],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # `speckernel generate` runs while the two servers start, without penalties and with them.
+    plain_run = generating()
+    penalized_run = generating(*(f"--{name.replace('_', '-')}={value}" for name, value in PENALTIES.items()))
     with serve_many(REAL, [*REAL, "--speculator", "ngram", "--num-speculative-tokens", "3"]) as (plain, ngram):
-        stdout, stderr = generate.communicate(timeout=300)
-        assert generate.returncode == 0, stderr
-        generated = json.loads(stdout)
-        check(plain, generated)
-        check(ngram, generated)
+        generated, penalized = result(plain_run), result(penalized_run)
+        assert penalized["token_ids"] != generated["token_ids"], "the penalties changed nothing: no test"
+        for served in (plain, ngram):
+            check(served, generated)
+            check(served, penalized, PENALTIES)
         assert ngram.metric("speckernel_spec_drafts_total") > 0
         assert plain.metric("speckernel_spec_drafts_total") == 0
 
 
-def check(served: Served, generated: dict[str, object]) -> None:
+def check(served: Served, generated: dict[str, object], penalties: dict[str, float] | None = None) -> None:
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused")
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": PROMPT}]
-    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    extra = {} if penalties is None else {"frequency_penalty": penalties["frequency_penalty"],
+                                          "presence_penalty": penalties["presence_penalty"],
+                                          "extra_body": {"repetition_penalty": penalties["repetition_penalty"]}}
+    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                           **extra)  # type: ignore[arg-type]
     assert whole.choices[0].message.content == generated["text"]
     assert whole.choices[0].finish_reason == generated["finish_reason"]
     assert whole.usage.completion_tokens == len(generated["token_ids"])  # type: ignore[arg-type]
     assert whole.usage.prompt_tokens == len(generated["prompt_token_ids"])  # type: ignore[arg-type]
     chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
-                                                 temperature=0, stream=True))
+                                                 temperature=0, stream=True, **extra))  # type: ignore[arg-type]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == generated["text"]
     assert chunks[-1].choices[0].finish_reason == generated["finish_reason"]

@@ -12,10 +12,10 @@ from typing import Any
 
 import anyio
 import msgspec
-from tqdm import tqdm
 
 from ...config import EngineConfig
 from ...frontend.async_engine import AsyncEngine
+from ...progress import Progress
 from ...sampling_params import SamplingParams
 from ..datasets import humaneval_messages
 from .command import base_config, header, with_speculator
@@ -25,7 +25,7 @@ async def run_one(config: EngineConfig, conversations: list[list[dict[str, str]]
                   params: SamplingParams, label: str, concurrency: int = 0) -> dict[str, Any]:
     async with AsyncEngine(config) as engine:
         outputs: list[list[int]] = [[] for _ in conversations]
-        bar = tqdm(total=len(conversations), desc=label, unit="req", file=sys.stderr, disable=None)
+        bar = Progress(f"bench accept: {label}", len(conversations), len(conversations) * params.max_tokens)
         limit = anyio.Semaphore(concurrency or len(conversations))
         if concurrency:  # compile and capture before the clock starts
             async for _ in engine.chat(conversations[0], msgspec.structs.replace(params, max_tokens=8)):
@@ -35,7 +35,8 @@ async def run_one(config: EngineConfig, conversations: list[list[dict[str, str]]
             async with limit:
                 async for out in engine.chat(conversations[i], params):
                     outputs[i] = out.token_ids
-            bar.update(1)
+                    bar.tokens(len(out.delta_token_ids))
+            bar.request_done()
 
         started = time.monotonic()
         with bar:
@@ -52,7 +53,7 @@ async def run_one(config: EngineConfig, conversations: list[list[dict[str, str]]
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    conversations = humaneval_messages()[: args.limit]
+    conversations = humaneval_messages()[: args.num_prompts]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     base = base_config(args)
     runs: dict[str, Any] = {}

@@ -38,7 +38,9 @@ def engine_flags(p: argparse.ArgumentParser, *, model: str | None = "smollm2-135
                    "bit-comparable; None: the platform's")
     p.add_argument("--enforce-eager", action="store_true", help="never replay captured device graphs")
     p.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="requests decoded at once")
-    p.add_argument("--max-model-len", type=int, default=max_model_len, help="context length; None: the model's")
+    p.add_argument("--max-model-len", type=int, default=max_model_len,
+                   help="context length, 0 for the model's own" if max_model_len else
+                   "context length (default: the model's)")
     if process:
         p.add_argument("--process", action="store_true",
                        help="run the engine core in its own process (default: in-process)")
@@ -69,7 +71,9 @@ def accept_arguments(p: argparse.ArgumentParser) -> None:
     speculator_flags(p, "repeatable; default: ngram and draft_model")
     p.add_argument("--label", default=None, help="name of the speculative runs in the table")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer at most")
-    p.add_argument("--limit", type=int, default=None, help="first N prompts only (default: all)")
+    p.add_argument("--num-prompts", "--limit", dest="num_prompts", type=int, default=None,
+                   help="the first N prompts only, as in the other scenarios (--limit: its old name) "
+                        "(default: all 164)")
     p.add_argument("--concurrency", type=int, default=0,
                    help="requests in flight at once (0: all; 1 gives tokens/s at batch 1)")
     engine_flags(p)
@@ -194,4 +198,6 @@ def add_arguments(sub: Any) -> None:
     for name, help_text in SCENARIOS.items():
         p = scenarios.add_parser(name, help=help_text, description=help_text)
         ARGUMENTS[name](p)
-        p.add_argument("--out", default=f"bench-results/{name}", help="folder for the JSON, markdown and PNG")
+        p.add_argument("--out", default=None,
+                       help=f"folder for the JSON, markdown and PNG (default: a new bench-{name}-DATE-TIME "
+                            "folder in the current one, so no run overwrites another or committed results)")

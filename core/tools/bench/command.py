@@ -18,6 +18,7 @@ import json
 import platform as host_platform
 import shlex
 import sys
+import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from types import ModuleType
@@ -41,7 +42,7 @@ def scenario_module(name: str) -> ModuleType:
 
 def base_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, platform=args.platform, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                        max_model_len=args.max_model_len or None, enforce_eager=args.enforce_eager,
                         in_process=not getattr(args, "process", False))
 
 
@@ -166,10 +167,18 @@ def write_report(name: str, report: dict[str, Any], lines: list[str], plot: Any,
     plt.close(fig)
 
 
+def out_folder(args: argparse.Namespace) -> Path:
+    """--out, or a new bench-SCENARIO-DATE-TIME folder here: a run never lands on another's files."""
+    if args.out:
+        return Path(args.out)
+    return Path(f"bench-{args.scenario}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
 def main(args: argparse.Namespace) -> int:
+    out = out_folder(args)  # fixed before the run: its name says when it started
     module = scenario_module(args.scenario)
     report = anyio.run(module.run, args) if inspect.iscoroutinefunction(module.run) else module.run(args)
-    out = Path(args.out)
     write_report(args.scenario, report, module.markdown(report), module.plot, out)
     print((out / f"{args.scenario}.md").read_text())
+    print(f"bench: wrote {out}/{args.scenario}.json, .md and .png", file=sys.stderr)
     return 0

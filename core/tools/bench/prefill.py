@@ -37,7 +37,7 @@ def long_prompts(stream: list[int], length: int, n: int) -> list[list[int]]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.max_model_len is not None and args.prompt_tokens >= args.max_model_len:
+    if args.max_model_len and args.prompt_tokens >= args.max_model_len:
         raise InvalidInputError(f"--prompt-tokens {args.prompt_tokens} must be below --max-model-len "
                                 f"{args.max_model_len}")
     params = SamplingParams(max_tokens=1, temperature=0.0)

@@ -47,7 +47,7 @@ def free_port() -> int:
 def server_flags(args: argparse.Namespace, speculator: str | None) -> list[str]:
     """`speckernel serve` flags for one run; speculator is NAME[:K[:KEY=VALUE,...]] as elsewhere."""
     flags = ["--model", args.model, "--max-num-seqs", str(args.max_num_seqs)]
-    optional = (("--platform", args.platform), ("--dtype", args.dtype), ("--max-model-len", args.max_model_len))
+    optional = (("--platform", args.platform), ("--dtype", args.dtype), ("--max-model-len", args.max_model_len or None))
     flags += [text for flag, value in optional if value is not None for text in (flag, str(value))]
     if args.enforce_eager:
         flags.append("--enforce-eager")

@@ -6,14 +6,13 @@ runs can share one engine and its start-up cost).
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
 import anyio
-from tqdm import tqdm
 
 from ...frontend.async_engine import AsyncEngine
+from ...progress import Progress
 from ...sampling_params import SamplingParams
 from ..datasets import humaneval_messages
 from .command import ms, percentile
@@ -64,17 +63,18 @@ async def run_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sam
     requests: list[list[float]] = []
     longest_gap = 0.0
     pending = iter(range(len(prompts)))
-    bar = tqdm(total=len(prompts), desc=desc, unit="req", file=sys.stderr, disable=None)
+    bar = Progress(desc, len(prompts), len(prompts) * params.max_tokens)
 
     async def worker() -> None:
         nonlocal longest_gap
         for i in pending:  # one iterator shared by the workers: each prompt runs once
             out, seen = None, None
-            async for out in engine.generate(prompts[i], params):  # noqa: B007 - the last output is kept
+            async for out in engine.generate(prompts[i], params):
                 now = time.monotonic()
                 if seen is not None:
                     longest_gap = max(longest_gap, now - seen)
                 seen = now
+                bar.tokens(len(out.delta_token_ids))
             assert out is not None and out.timing is not None
             outputs[i] = out.token_ids
             t = out.timing
@@ -85,7 +85,7 @@ async def run_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sam
                 ttft.append(t.first_token - t.arrival)
                 if t.finished is not None and len(out.token_ids) > 1:
                     tpot.append((t.finished - t.first_token) / (len(out.token_ids) - 1))
-            bar.update(1)
+            bar.request_done()
 
     before = await engine.stats()
     started = time.monotonic()

@@ -79,6 +79,10 @@ class _Common(msgspec.Struct, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     """A Lark grammar."""
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    """Not in the OpenAI API; accepted as vLLM does."""
 
     def structured(self) -> tuple[StructuredOutput | None, str | None]:
         """The output constraint the request names, and the field that names it."""
@@ -119,7 +123,8 @@ class _Common(msgspec.Struct, kw_only=True):
         structured, source = self.structured()
         params = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                 top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
-                                structured=structured)
+                                structured=structured, frequency_penalty=self.frequency_penalty,
+                                presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty)
         try:
             return params.validate(vocab_size)
         except InvalidSamplingParamsError as e:

@@ -53,7 +53,7 @@ def add_arguments(sub: Any) -> None:
                         "folder per method)")
     p.add_argument("--data", type=Path, action="append", default=None,
                    help="token data (.npz, repeatable: concatenated); generated from the prompts when missing "
-                        "(default: OUT/../data.npz)")
+                        "(default: data.npz inside --out, or drafters/data.npz)")
     p.add_argument("--shard", default="0/1", metavar="I/N",
                    help="generate only every N-th prompt from the I-th (several GPUs, one process each)")
     p.add_argument("--prompts", type=Path, action="append", default=None,
@@ -77,6 +77,8 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--log-every", type=int, default=50,
+                   help="steps between progress lines on stderr when it is not a terminal (a bar shows otherwise)")
     p.add_argument("--holdout", type=float, default=0.02,
                    help="share of the prompts kept out of training (chosen by a hash of the prompt, so every "
                         "answer to one prompt is on the same side) to measure the drafter on; 0: none")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +19,12 @@ import anyio
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from ...attention import AttentionMetadata
 from ...frontend.async_engine import AsyncEngine
 from ...models.llama import LlamaModel
 from ...plugin import TargetModel, TrainBatch
+from ...progress import Progress
 from ...sampling_params import SamplingParams
 
 
@@ -101,8 +100,7 @@ def generate(config: Any, conversations: list[list[dict[str, str]]], max_tokens:
         async with AsyncEngine(config) as engine:
             deadline = math.inf if seconds is None else time.monotonic() + seconds  # start-up not counted
             limit = anyio.Semaphore(concurrency)
-            bar = tqdm(total=len(conversations), desc="generating answers", unit="prompt", file=sys.stderr,
-                       disable=None)
+            bar = Progress("train-drafter: generating answers", len(conversations), len(conversations) * max_tokens)
 
             async def one(i: int) -> None:
                 params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
@@ -115,8 +113,9 @@ def generate(config: Any, conversations: list[list[dict[str, str]]], max_tokens:
                     answer: list[int] = []
                     async for out in engine.generate(prompt, params):
                         answer = out.token_ids
+                        bar.tokens(len(out.delta_token_ids))
                     pairs[i] = (prompt, answer)
-                bar.update(1)
+                bar.request_done()
 
             with bar:
                 async with anyio.create_task_group() as tg:

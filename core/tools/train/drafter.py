@@ -57,8 +57,14 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def load_data(args: argparse.Namespace, out: Path) -> Sequences:
-    paths = args.data or [out.parent / "data.npz"]
+def data_path(args: argparse.Namespace) -> Path:
+    """Where generated data goes: inside --out (the folder named is the one written to), or
+    drafters/data.npz, which every method's default folder beside it shares."""
+    return (args.out if args.out is not None else Path("drafters")) / "data.npz"
+
+
+def load_data(args: argparse.Namespace) -> Sequences:
+    paths = args.data or [data_path(args)]
     if all(p.exists() for p in paths):
         data = Sequences.concat([Sequences.load(p) for p in paths])
         print(f"train-drafter: {len(data)} sequences from {', '.join(map(str, paths))}", file=sys.stderr)
@@ -189,7 +195,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     folders = method_folders(args)
     for out, _ in folders.values():
         out.mkdir(parents=True, exist_ok=True)
-    data = load_data(args, next(iter(folders.values()))[0])
+    data = load_data(args)
     if args.generate_only:
         return {"sequences": len(data)}
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -213,6 +219,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     name = "+".join(r.method for r in runs)
     bar = tqdm(total=args.steps, initial=first, desc=f"training {name}", unit="step", file=sys.stderr, disable=None)
+    log_every = max(1, args.log_every)
     for r in runs:
         r.drafter.train()
     with bar:
@@ -247,6 +254,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                     r.save_state()
             bar.set_postfix(postfix)
             bar.update(1)
+            step = max(r.step for r in stepped)
+            if bar.disable and (step % log_every == 0 or step == args.steps):  # no bar: a line now and then
+                rate = (step - first) / max(time.monotonic() - started, 1e-9)
+                figures = ", ".join(f"{k} {v}" for k, v in postfix.items())
+                print(f"train-drafter: {name} step {step}/{args.steps}, {figures}, {rate:.2f} steps/s",
+                      file=sys.stderr, flush=True)
     elapsed = time.monotonic() - started
     last = [r for r in runs if r.log and "val_loss" not in r.log[-1]]
     if held and last:
