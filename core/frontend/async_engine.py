@@ -58,9 +58,10 @@ multi-MB prompt never stalls the event loop and every other stream on it."""
 
 
 def error_from_wire(text: str) -> errors.SpeckernelError:
-    """'PromptTooLongError: ...' from the core → the same typed exception here."""
+    """'PromptTooLongError: ...' from the core → the same typed exception here; any other error
+    of a running request ('IndexError: ...') → EngineRequestError with that text."""
     name, _, message = text.partition(": ")
-    return errors.rebuild(name, message) or errors.SpeckernelError(text)
+    return errors.rebuild(name, message) or errors.EngineRequestError(text)
 
 
 def _check_text(text: str, where: str) -> None:

@@ -348,10 +348,16 @@ class ModelRunner:
             self.speculator.sync(states)
             return None
         drafts = self.speculator.propose(states, shape.propose_width)
-        self.pool.write(slot, torch.where(samples, seq_lens, self.pool.width - 1), drafts.token_ids)
+        ids = self._in_vocab(drafts.token_ids)
+        self.pool.write(slot, torch.where(samples, seq_lens, self.pool.width - 1), ids)
         if self.draft_probs is not None and drafts.probs is not None:
             self.draft_probs[slot, : shape.propose_width] = drafts.probs.float()
-        return drafts.token_ids
+        return ids
+
+    def _in_vocab(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids outside the vocabulary as -1 (never accepted): a speculator's bad id costs
+        its draft, not the next step's embedding lookup (an index error, or a device fault)."""
+        return torch.where((ids >= 0) & (ids < self.model.cfg.vocab_size), ids, -1)
 
     def _speculator_failed(self, e: Exception) -> str:
         """Logs a raising speculator pass with its traceback; its one-line description."""
@@ -502,7 +508,7 @@ class ModelRunner:
                 result_rows[i] = msgspec.structs.replace(result_rows[i], num_next_drafts=k)
             return msgspec.structs.replace(plain, rows=result_rows)
         idx = torch.tensor(sampling_idx, dtype=torch.int64, device=self.device)
-        ids = self._gated(drafts)[idx]
+        ids = self._in_vocab(self._gated(drafts)[idx])
         sample_slots = slot_index[idx]
         start = torch.tensor([seq_lens[i] for i in sampling_idx], device=self.device)
         self.pool.write(sample_slots, start, ids)
@@ -543,7 +549,7 @@ class ModelRunner:
         keep = [j for j, (slot, generation) in enumerate(pending.keys) if owner.get(slot, generation) == generation]
         if not keep:
             return
-        ids = pending.staging.to(self.device, non_blocking=True)  # the reply's copy, behind the gate
+        ids = self._in_vocab(pending.staging.to(self.device, non_blocking=True))  # the reply's copy, behind the gate
         rows = torch.tensor([pending.rows[j] for j in keep], dtype=torch.int64, device=self.device)
         slots = torch.tensor([pending.keys[j][0] for j in keep], dtype=torch.int64, device=self.device)
         starts = torch.tensor([pending.starts[j] for j in keep], dtype=torch.int64, device=self.device)
