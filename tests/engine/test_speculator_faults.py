@@ -69,7 +69,25 @@ class DeviceRaisesInPropose(NgramSpeculator):
         raise IndexError("index 70000 is out of bounds for dimension 0 with size 49152")
 
 
-FAULTY = {cls.name: cls for cls in (RepeatLast, RaisesInPropose, RaisesEveryOtherStep, DeviceRaisesInPropose)}
+class OutOfVocab(RepeatLast):
+    """Host-side: every draft an id past the vocabulary (a corrupt index table would do this)."""
+
+    name = "t_out_of_vocab"
+
+    def propose(self, states: TargetStates, k: int) -> Drafts:
+        return Drafts(super().propose(states, k).token_ids + 100_000)
+
+
+class DeviceOutOfVocab(NgramSpeculator):
+    name = "t_device_out_of_vocab"
+
+    def propose(self, states: TargetStates, k: int) -> Drafts:
+        ids = super().propose(states, k).token_ids
+        return Drafts(torch.where(ids >= 0, ids + 100_000, ids))
+
+
+FAULTY = {cls.name: cls for cls in (RepeatLast, RaisesInPropose, RaisesEveryOtherStep, DeviceRaisesInPropose,
+                                    OutOfVocab, DeviceOutOfVocab)}
 
 
 @pytest.fixture(autouse=True)
@@ -154,3 +172,11 @@ def test_nothing_fails_when_the_limit_is_never_reached(plain: list[list[int]]) -
     assert run_to_completion(core, PROMPTS, GREEDY) == plain
     spec = core.stats()["spec"]
     assert not spec["speculator_off"] and spec["num_speculator_failures"] > 0 and spec["num_draft_tokens"] == 0
+
+
+@pytest.mark.parametrize("name", ["t_out_of_vocab", "t_device_out_of_vocab"])
+def test_drafts_outside_the_vocabulary_are_never_verified_and_fail_nothing(name: str, plain: list[list[int]]) -> None:
+    core = spec_core(name)
+    assert run_to_completion(core, PROMPTS, GREEDY) == plain
+    spec = core.stats()["spec"]
+    assert spec["num_accepted_tokens"] == 0 and spec["num_speculator_failures"] == 0
