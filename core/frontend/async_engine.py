@@ -195,8 +195,9 @@ class AsyncEngine:
     # --- requests ------------------------------------------------------------------------------
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """The templated conversation's ids; control-token text in message content stays text
+        unless the config allows special tokens (`EngineConfig.allow_special_tokens`)."""
+        return self.tokenizer.encode_chat(messages, allow_special_tokens=self.config.allow_special_tokens)
 
     async def tokenize(self, prompt: str) -> list[int]:
         """`tokenizer.encode(prompt)`, in a worker thread when the prompt is long."""
