@@ -93,8 +93,8 @@ def verified(path: Path, sha256: str, stamp: Path | None = None) -> bool:
     st = path.stat()
     stamp_file = stamp or stamp_path(path)
     with contextlib.suppress(OSError, msgspec.DecodeError, msgspec.ValidationError):
-        stamp = msgspec.json.decode(stamp_file.read_bytes(), type=Stamp)
-        if stamp == Stamp(st.st_size, st.st_mtime_ns, sha256):
+        seen = msgspec.json.decode(stamp_file.read_bytes(), type=Stamp)
+        if seen == Stamp(st.st_size, st.st_mtime_ns, sha256):
             return True
     if sha256_of(path) != sha256:
         return False
