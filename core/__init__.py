@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from .config import EngineConfig
 from .errors import (
     EngineDeadError,
+    EngineRequestError,
     InvalidInputError,
     InvalidSamplingParamsError,
     ModelFetchError,
@@ -41,6 +42,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "EngineDeadError",
+    "EngineRequestError",
     "InvalidInputError",
     "InvalidSamplingParamsError",
     "ModelFetchError",

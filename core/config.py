@@ -61,6 +61,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     adaptive_speculation: bool = False
     """Let measured step times turn drafting off (K=0 steps) for batch sizes where verifying
     drafts costs more than it yields (`speckernel.kernel.spec_governor`)."""
+    allow_special_tokens: bool = False
+    """Chat message content may spell control tokens ("<|im_end|>" becomes the token that ends a
+    turn): for trusted callers only. By default such text in content is encoded as text."""
     force_host_drafts: bool = False
     """Copy draft IDs to the host after every drafting step even when the speculator's fixed
     width makes it unnecessary (benchmarks measure what avoiding the copy saves)."""

@@ -1,7 +1,8 @@
 """Typed errors of the public API.
 
 Bad input raises a subclass of `InvalidInputError` (the CLI turns it into exit code 2);
-`EngineDeadError` means the engine core is gone and nothing more will be served.
+`EngineDeadError` means the engine core is gone and nothing more will be served;
+`EngineRequestError` that one request failed while it ran, and the engine goes on.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ class ModelFetchError(SpeckernelError):
 
 class EngineOverloadedError(SpeckernelError):
     """The engine (or the server in front of it) has no room for this request now; retry later."""
+
+
+class EngineRequestError(SpeckernelError):
+    """The engine failed this request while running it (an error on the device or in the model,
+    named in the message); the engine and its other requests go on."""
 
 
 class EngineDeadError(SpeckernelError):

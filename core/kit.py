@@ -15,7 +15,10 @@ target computes:
   for a platform where `SpeculatorContext.fused_kernels` says they run;
 - a drafter served elsewhere: `drafter_wire` (the messages of `speckernel serve-drafter`'s RPC)
   and the zero-copy codec (`Encoder`, `Decoder`) they travel with;
-- `logger(name)`: the engine's structured key-value log, for a plugin's own events.
+- `logger(name)`: the engine's structured key-value log, for a plugin's own events;
+- checksums: `verified(path, sha256, stamp)` (one full sha256, then a size + mtime stamp, as the
+  model's file is checked), `cache_stamp(path)` (a stamp for a file in a read-only folder) and
+  `sha256_of(path)`.
 
 The kit is versioned with the kernel, not with the contract: its names and signatures follow
 the kernel's models and ops. A plugin that uses it is tied to the speckernel version it was
@@ -25,6 +28,7 @@ written for; a plugin that needs only the contract imports `speckernel.plugin` a
 from __future__ import annotations
 
 from .log import get as logger
+from .models.builtin import cache_stamp, sha256_of, verified
 from .models.checkpoint import read_config
 from .models.checkpoint import resolve as resolve_model
 from .models.llama import LlamaModel, RMSNorm
@@ -42,6 +46,7 @@ __all__ = [
     "LlamaModel",
     "RMSNorm",
     "apply_rope",
+    "cache_stamp",
     "cos_sin_table",
     "drafter_wire",
     "fused_ops",
@@ -50,5 +55,7 @@ __all__ = [
     "new_kv_cache",
     "read_config",
     "resolve_model",
+    "sha256_of",
     "target_noise",
+    "verified",
 ]

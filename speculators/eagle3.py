@@ -56,6 +56,20 @@ class Eagle3Module(ChainModule):
         super()._load_from_state_dict(*args, **kwargs)
         self._index()
 
+    def check_state(self, state: dict[str, torch.Tensor]) -> None:
+        """d2t must map every draft index to a distinct target id (an id out of the vocabulary
+        would fail every request that drafts it; a negative one would wrap around)."""
+        d2t = state["d2t"]
+        vocab = self.t2d.shape[0]
+        ids = torch.arange(d2t.shape[0]) + d2t
+        bad = ((ids < 0) | (ids >= vocab)).nonzero()
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"tensor d2t maps draft index {i} to target id {int(ids[i])}, outside the "
+                             f"vocabulary [0, {vocab}) ({len(bad)} such entries)")
+        if len(ids.unique()) != len(ids):
+            raise ValueError("tensor d2t maps two draft indices to the same target id")
+
     def fit_vocab(self, counts: torch.Tensor) -> None:
         """Keeps the most frequent target tokens (counts [V] over the training labels)."""
         keep = counts.topk(self.d2t.shape[0]).indices.sort().values.to(self.d2t.device)

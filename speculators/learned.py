@@ -4,6 +4,11 @@
   tensor names of the public layouts). The shipped ones live in `weights/<method>/` and are
   found by name when the target has the shape they were trained for; `--draft-model FOLDER`
   loads any other.
+- A checkpoint is checked before it is served: the shipped ones against the sha256 pinned here
+  (`SHIPPED_SHA256`), any other against the digest its config.json records (`save` writes it),
+  each once in full and then by a size + mtime stamp, as the model's file is; then every
+  tensor for its name, shape, dtype and finite values, and the module's own index tensors for
+  their ranges (`DrafterModule.check_state`). A bad file fails the load with one line naming it.
 - Their layers are small Llama decoder blocks (`DecoderBlock`) whose attention is a callable:
   the kernel's paged attention over the drafter's own KV at serving time, a dense mask in
   training. So one module serves both, and training computes what serving computes.
@@ -25,7 +30,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from speckernel.kit import RMSNorm, apply_rope, cos_sin_table, fused_ops
+from speckernel.kit import RMSNorm, apply_rope, cache_stamp, cos_sin_table, fused_ops, sha256_of, verified
 from speckernel.plugin import (
     InvalidInputError,
     ModelConfig,
@@ -38,6 +43,17 @@ from speckernel.plugin import (
 
 WEIGHTS = Path(__file__).parent / "weights"
 """Shipped checkpoints, one folder per method."""
+
+SHIPPED_SHA256 = {
+    "causal_cascade": "5dc4c9c52c65160a0bbae4b9f6339d7fe6c9cf638ec7aebca00796b7116c422f",
+    "dflash": "2a85c7296e397e08827d723c566dc004357b762f3d7479d047eff3f82365f47c",
+    "dspark": "59959014be2132564c3874809352be355d4935ae6cc7d7d0a4d546f8831246f2",
+    "eagle3": "8c309978801166c04237a2145432ac6803d0524326711da6acfbf801531dd96f",
+    "mtp": "3d43f67001ec115bb7f935792651881c70af576b51490082c565ea17a32b628e",
+}
+"""sha256 of each shipped `weights/<method>/model.safetensors` (a retrained one updates its line)."""
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(q [N, heads, D], k [N, kv_heads, D], v [N, kv_heads, D]), roped -> [N, heads, D]."""
@@ -81,6 +97,8 @@ class DrafterConfig(msgspec.Struct, frozen=True, kw_only=True):
     """dspark: rank of the Markov head."""
     num_steps: int = 1
     """Chained drafters: steps unrolled in training (training-time test)."""
+    sha256: str = ""
+    """Digest of model.safetensors, written by `save` and checked at load ("": not checked)."""
 
 
 def read_config(folder: Path) -> DrafterConfig:
@@ -96,6 +114,7 @@ def save(folder: Path, cfg: DrafterConfig, module: nn.Module) -> None:
     state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).detach().cpu().contiguous()
              for k, v in module.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = msgspec.structs.replace(cfg, sha256=sha256_of(folder / "model.safetensors"))
     (folder / "config.json").write_bytes(msgspec.json.format(msgspec.json.encode(cfg), indent=2) + b"\n")
 
 
@@ -130,18 +149,58 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 OptionsT = TypeVar("OptionsT", bound=msgspec.Struct)
 
 
-def load_weights(module: ModuleT, folder: Path, device: torch.device, dtype: torch.dtype) -> ModuleT:
-    state = load_file(str(folder / "model.safetensors"), device="cpu")
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise InvalidInputError(f"{folder / 'model.safetensors'}: missing tensors {missing[:5]}, "
-                                f"unexpected {unexpected[:5]}")
-    floats = {k for k, v in state.items() if v.is_floating_point()}
+def load_weights(module: ModuleT, folder: Path, device: torch.device, dtype: torch.dtype,
+                 sha256: str = "") -> ModuleT:
+    """The checkpoint's tensors in `module`, once `check_weights` found nothing wrong."""
+    module.load_state_dict(check_weights(module, folder, sha256), strict=True)
+    floats = {k for k, v in module.state_dict().items() if v.is_floating_point()}
     module.to(device)
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         if name in floats or t.is_floating_point():
             t.data = t.data.to(dtype)
     return module.eval().requires_grad_(False)
+
+
+def check_weights(module: nn.Module, folder: Path, sha256: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of folder's model.safetensors, refused (InvalidInputError, one line naming
+    the file) when the file does not have the digest `sha256` (when given), does not parse, or a
+    tensor is missing, extra, of another shape or kind of dtype than `module` holds, not finite,
+    or out of the range its module allows (`DrafterModule.check_state`)."""
+    path = folder / "model.safetensors"
+    shipped = folder.resolve() == (WEIGHTS / folder.name).resolve()
+    try:
+        if sha256 and not verified(path, sha256, cache_stamp(path) if shipped else None):
+            fix = "reinstall speckernel" if shipped else "copy or train it again"
+            raise InvalidInputError(f"{path}: corrupt, its sha256 is not the {'shipped' if shipped else 'recorded'} "
+                                    f"one ({sha256[:12]}...); {fix}")
+        state = load_file(str(path), device="cpu")
+    except InvalidInputError:
+        raise
+    except Exception as e:  # a damaged header, a truncated file, an unreadable one
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise InvalidInputError(f"{path}: not a readable safetensors file ({reason})") from None
+    want = module.state_dict()
+    missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))
+    if missing or unexpected:
+        raise InvalidInputError(f"{path}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, t in state.items():
+        w = want[name]
+        if t.shape != w.shape:
+            raise InvalidInputError(f"{path}: tensor {name} has shape {list(t.shape)}, its config.json "
+                                    f"makes it {list(w.shape)}")
+        if (t.dtype not in FLOAT_DTYPES) if w.is_floating_point() else (t.dtype != w.dtype):
+            kinds = "bfloat16, float16 or float32" if w.is_floating_point() else str(w.dtype).removeprefix("torch.")
+            raise InvalidInputError(f"{path}: tensor {name} is {str(t.dtype).removeprefix('torch.')}, not {kinds}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise InvalidInputError(f"{path}: tensor {name} holds {bad} values that are NaN or infinite")
+    check = getattr(module, "check_state", None)
+    if callable(check):
+        try:
+            check(state)
+        except ValueError as e:
+            raise InvalidInputError(f"{path}: {e}") from None
+    return state
 
 
 # --- layers --------------------------------------------------------------------------------
@@ -331,6 +390,10 @@ class DrafterModule(nn.Module):
         """Training loss on one batch, and named figures for the progress bar and the log."""
         raise NotImplementedError
 
+    def check_state(self, state: dict[str, torch.Tensor]) -> None:
+        """ValueError (one line, naming the tensor) when a checkpoint's integer tensors index
+        outside what they index: shapes, dtypes and finite floats are checked before this."""
+
 
 class LearnedSpeculator(SpeculatorBase, Generic[OptionsT]):
     """Contract plumbing from a checkpoint: subclasses give `Module`, `defaults(target)` and
@@ -386,8 +449,10 @@ class LearnedSpeculator(SpeculatorBase, Generic[OptionsT]):
         self.options: OptionsT = ctx.options
         self.cfg = cfg
         self.capabilities = self.capabilities_for(ctx)  # type: ignore[misc]
+        shipped = not ctx.draft_model
         self.module = load_weights(self.Module(cfg, ctx.target, ctx.max_model_len + self.capabilities.max_k + 2),
-                                   folder, ctx.device, ctx.dtype)
+                                   folder, ctx.device, ctx.dtype,
+                                   SHIPPED_SHA256.get(self.name, "") if shipped else cfg.sha256)
         self.device = ctx.device
         self.dtype = ctx.dtype
         self.block_size = ctx.block_size

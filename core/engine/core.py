@@ -57,6 +57,8 @@ from .speculation import Speculation, build_speculator, check_speculator
 from .stages import Pipeline
 
 IDLE_VOTE_S = 0.05
+SPECULATOR_FAILURE_LIMIT = 8
+"""Consecutive steps whose speculator pass raised, after which the engine serves without it."""
 """Data parallelism with no work on any rank: how long a rank waits for a message between votes."""
 
 
@@ -118,6 +120,12 @@ class EngineCore:
             self.dp = DataParallelGroup(config.data_parallel_rank, config.data_parallel_size,
                                         config.data_parallel_port)
         self.seeds = np.random.default_rng(config.seed)
+        self.speculator_failure_limit = SPECULATOR_FAILURE_LIMIT
+        self.num_speculator_failures = 0
+        """Steps whose speculator pass raised (their target tokens stood; they had no drafts)."""
+        self.speculator_failures_in_a_row = 0
+        self.speculator_off: str | None = None
+        """Why the engine switched its speculator off (the last error), or None while it runs."""
         path = checked.path
         self.grammars = Grammars(lambda: load_tokenizer(path).tok.to_str(), self.model_cfg.vocab_size,
                                  self.model_cfg.eos_token_ids)
@@ -302,6 +310,9 @@ class EngineCore:
                 "num_host_draft_copies": self.ledger.num_host_draft_copies,
                 "num_governor_vetoes": self.governor.num_vetoed if self.governor is not None else 0,
                 "num_invalid_drafts": self.scheduler.num_invalid_drafts,
+                "num_speculator_failures": self.num_speculator_failures,
+                "speculator_off": self.speculator_off is not None,
+                "speculator_off_error": self.speculator_off,
                 "plugin": _plugin_stats(self.speculator),
             },
         }
@@ -337,6 +348,7 @@ class EngineCore:
     def _apply(self, result: StepResult, frame: StepFrame | None = None, started: float = 0.0) -> list[RequestDelta]:
         """Applies a step's result; with its frame and launch time, the governor learns from it."""
         self.num_steps += 1
+        self._count_speculator(result.speculator_error)
         before = self.ledger.num_generated_tokens
         deltas = self.ledger.apply(result)
         if self.governor is not None and frame is not None and all(
@@ -345,6 +357,26 @@ class EngineCore:
             self.governor.record(len(frame.rows), any(r.num_drafts for r in frame.rows),
                                  self.ledger.num_generated_tokens - before, time.perf_counter() - started)
         return deltas
+
+    def _count_speculator(self, error: str | None) -> None:
+        """A speculator whose pass raised on `speculator_failure_limit` steps in a row is switched
+        off for the engine: the scheduler drafts no more and the runner never calls it again.
+        The requests go on without drafts (their output is the target's either way)."""
+        if error is None:
+            self.speculator_failures_in_a_row = 0
+            return
+        self.num_speculator_failures += 1
+        self.speculator_failures_in_a_row += 1
+        if self.speculator_off is not None or self.speculator_failures_in_a_row < self.speculator_failure_limit:
+            return
+        self.speculator_off = error
+        self.scheduler.stop_speculation()
+        stop = getattr(self.runner, "stop_speculation", None)
+        if callable(stop):
+            stop()
+        self.log.warning("speculator_switched_off", speculator=self.config.speculator,
+                         failed_steps=self.speculator_failures_in_a_row, error=error,
+                         detail="every step's speculator pass raised; requests continue without drafts")
 
     # --- the loop ---------------------------------------------------------------------------
 

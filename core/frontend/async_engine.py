@@ -58,9 +58,10 @@ multi-MB prompt never stalls the event loop and every other stream on it."""
 
 
 def error_from_wire(text: str) -> errors.SpeckernelError:
-    """'PromptTooLongError: ...' from the core → the same typed exception here."""
+    """'PromptTooLongError: ...' from the core → the same typed exception here; any other error
+    of a running request ('IndexError: ...') → EngineRequestError with that text."""
     name, _, message = text.partition(": ")
-    return errors.rebuild(name, message) or errors.SpeckernelError(text)
+    return errors.rebuild(name, message) or errors.EngineRequestError(text)
 
 
 def _check_text(text: str, where: str) -> None:
@@ -194,8 +195,9 @@ class AsyncEngine:
     # --- requests ------------------------------------------------------------------------------
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """The templated conversation's ids; control-token text in message content stays text
+        unless the config allows special tokens (`EngineConfig.allow_special_tokens`)."""
+        return self.tokenizer.encode_chat(messages, allow_special_tokens=self.config.allow_special_tokens)
 
     async def tokenize(self, prompt: str) -> list[int]:
         """`tokenizer.encode(prompt)`, in a worker thread when the prompt is long."""

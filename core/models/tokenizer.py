@@ -1,9 +1,18 @@
 """Tokenizer (`tokenizers`) and chat template (Jinja2), read from a model folder (a GGUF file's
-conversion is one; gguf.py builds it)."""
+conversion is one; gguf.py builds it).
+
+Chat content never becomes control tokens: `encode_chat` encodes the template's own text with
+its special tokens, and each message's content as text, so a user who writes "<|im_end|>" gets
+the characters, not the id that ends a turn. `allow_special_tokens=True` (trusted callers:
+`EngineConfig.allow_special_tokens`, `--allow-special-tokens`) encodes the whole rendered text
+as before, where content may spell control tokens.
+"""
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -55,6 +64,8 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.add_bos = add_bos
         self._template: Template | None = None
+        self._special: re.Pattern[str] | None = None
+        self._as_text: HFTokenizer | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -100,6 +111,52 @@ class Tokenizer:
             )
         except TemplateError as e:
             raise InvalidInputError(f"chat template rejected the conversation: {e}") from e
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    allow_special_tokens: bool = False) -> list[int]:
+        """The templated conversation's ids. Special-token text inside a message's content is
+        encoded as text unless `allow_special_tokens`; a conversation without any encodes exactly
+        as its rendered text does."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        spelled = [] if allow_special_tokens else [
+            i for i, m in enumerate(messages)
+            if isinstance(m.get("content"), str) and self.spells_special(m["content"])]
+        if not spelled:
+            return self.encode(text, add_special_tokens=False)
+        # Render again with a marker per such content, then encode the template's pieces with
+        # their specials and each content as text.
+        nonce = secrets.token_hex(8)
+        marked = [dict(m, content=f"\ue000{nonce}:{i}\ue001") if i in spelled else m for i, m in enumerate(messages)]
+        pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", self.apply_chat_template(marked, add_generation_prompt))
+        found = [int(i) for i in pieces[1::2]]
+        if sorted(found) != spelled:
+            raise InvalidInputError(f"messages[{spelled[0]}].content: spells a special token, and the chat template "
+                                    "does not place the content as it is; remove the special-token text")
+        template = self.tok.encode_batch(pieces[0::2], add_special_tokens=False)
+        contents = self._text_tokenizer().encode_batch([messages[i]["content"] for i in found],
+                                                       add_special_tokens=False)
+        ids: list[int] = []
+        for j, part in enumerate(template):
+            ids += part.ids
+            if j < len(contents):
+                ids += contents[j].ids
+        return ids
+
+    def spells_special(self, text: str) -> bool:
+        """Whether text holds the text of a special token (a control token such as <|im_end|>)."""
+        if self._special is None:
+            specials = sorted((t.content for t in self.tok.get_added_tokens_decoder().values() if t.special),
+                              key=len, reverse=True)
+            self._special = re.compile("|".join(map(re.escape, specials)) or r"(?!)")
+        return self._special.search(text) is not None
+
+    def _text_tokenizer(self) -> HFTokenizer:
+        """A copy of the tokenizer that encodes special-token text as plain text."""
+        if self._as_text is None:
+            tok = HFTokenizer.from_str(self.tok.to_str())
+            tok.encode_special_tokens = True
+            self._as_text = tok
+        return self._as_text
 
     # --- construction ----------------------------------------------------------------------
 

@@ -17,7 +17,9 @@ back by the drafts that predecessor rejected.
 
 A failure is scoped to rows: when launching a step raises, its rows run again one by one
 and only the rows that fail alone fail; a row whose predecessor step did not complete for its
-slot fails without running.
+slot fails without running. A failure of the speculator's own pass fails no row: the target's
+tokens of the step stand, the drafts it would have proposed are -1 (never accepted), and the
+step result says so (`StepResult.speculator_error`), so the engine can count it.
 """
 
 from __future__ import annotations
@@ -129,6 +131,11 @@ class ModelRunner:
         """Captured decode and verification steps, when the engine captured them."""
         self.pending_drafts: PendingDrafts | None = None
         """A deferred proposal, resolved by the next launch."""
+        self.isolate_speculator = True
+        """A raising speculator pass costs the step its drafts only (off while graphs are captured:
+        a graph must hold the real pass, so a pass that raises there fails the capture)."""
+        self.speculator_error: str | None = None
+        """What the device-side speculator pass of the step being launched raised, if it did."""
 
     # --- launching -------------------------------------------------------------------------
 
@@ -147,14 +154,15 @@ class ModelRunner:
         parts = self._run(frame, runnable, results)
 
         def finish() -> StepResult:
-            k0, copies = frame.skip_drafts if not runnable else False, 0
+            k0, copies, spec_error = frame.skip_drafts if not runnable else False, 0, None
             for idx, pending in parts:
                 out = pending.result()
                 for i, row in zip(idx, out.rows, strict=True):
                     results[i] = row
                 k0, copies = k0 or out.k0, copies + out.num_host_draft_copies
+                spec_error = spec_error or out.speculator_error
             return StepResult(frame.step_id, [r for r in results if r is not None], k0=k0,
-                              num_host_draft_copies=copies)
+                              num_host_draft_copies=copies, speculator_error=spec_error)
 
         return PendingStep(finish)
 
@@ -296,7 +304,15 @@ class ModelRunner:
         drafts = None
         if self.device_spec:
             seq_lens = confirmed_lens(meta.seq_lens, num_drafts, samples, nacc)
-            drafts = self._device_speculate(meta, shape, slot, samples, nacc, seq_lens, captured)
+            try:
+                drafts = self._device_speculate(meta, shape, slot, samples, nacc, seq_lens, captured)
+            except Exception as e:
+                if not self.isolate_speculator:
+                    raise
+                self.speculator_error = self._speculator_failed(e)
+                if shape.propose_width:  # no drafts: -1 where they would have gone
+                    drafts = torch.full((len(slot), shape.propose_width), -1, dtype=torch.int64, device=self.device)
+                    self.pool.write(slot, torch.where(samples, seq_lens, self.pool.width - 1), drafts)
         packed = torch.cat([out, nacc[:, None].to(out.dtype)], dim=1)
         return DeviceOutputs(packed, hidden, captured, drafts)
 
@@ -344,13 +360,35 @@ class ModelRunner:
             self.speculator.sync(states)
             return None
         drafts = self.speculator.propose(states, shape.propose_width)
-        self.pool.write(slot, torch.where(samples, seq_lens, self.pool.width - 1), drafts.token_ids)
+        ids = self._in_vocab(drafts.token_ids)
+        self.pool.write(slot, torch.where(samples, seq_lens, self.pool.width - 1), ids)
         if self.draft_probs is not None and drafts.probs is not None:
             self.draft_probs[slot, : shape.propose_width] = drafts.probs.float()
-        return drafts.token_ids
+        return ids
+
+    def _in_vocab(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids outside the vocabulary as -1 (never accepted): a speculator's bad id costs
+        its draft, not the next step's embedding lookup (an index error, or a device fault)."""
+        return torch.where((ids >= 0) & (ids < self.model.cfg.vocab_size), ids, -1)
+
+    def _speculator_failed(self, e: Exception) -> str:
+        """Logs a raising speculator pass with its traceback; its one-line description."""
+        log.exception("speculator_pass_failed", error=f"{type(e).__name__}: {e}")
+        return f"{type(e).__name__}: {e}"
+
+    def stop_speculation(self) -> None:
+        """From now on the steps run the target alone: the speculator is never called again (nor
+        are graphs replayed that hold its pass); rows in flight verify the drafts they carry."""
+        if self.device_spec:
+            self.graphs = None
+        self.speculator = None
+        self.device_spec = False
+        self.hidden_layers = ()
+        self.pending_drafts = None
 
     def _launch(self, frame: StepFrame) -> PendingStep:
         rows = frame.rows
+        self.speculator_error = None
         shape = self.step_shape(frame)
         bitmask = self.token_bitmask(frame, shape.verify_width)
         padded = self.graphs.padded(shape) if self.graphs is not None and bitmask is None else None
@@ -386,6 +424,7 @@ class ModelRunner:
             event = torch.Event(self.device)
             event.record()
         next_k = out.drafts.shape[1] if drafted and out.drafts is not None else 0
+        spec_error = self.speculator_error
 
         def finish() -> StepResult:
             if event is not None:
@@ -404,14 +443,35 @@ class ModelRunner:
                     row = msgspec.structs.replace(row, next_draft_ids=drafted_ids[:cut])
                 result_rows.append(row)
             return StepResult(frame.step_id, result_rows, k0=frame.skip_drafts and self.speculator is not None,
-                              num_host_draft_copies=copies)
+                              num_host_draft_copies=copies, speculator_error=spec_error)
 
         if self.speculator is None or self.device_spec:
             return PendingStep(finish)
         # The speculator reads this step's metadata and outputs, which the next launch
         # overwrites: it runs now (it needs the accepted counts on the host anyway).
-        done = self._speculate(frame, meta, out, finish())
+        plain = finish()
+        try:
+            done = self._speculate(frame, meta, out, plain)
+        except Exception as e:
+            if not self.isolate_speculator:
+                raise
+            done = self._without_drafts(frame, plain, self._speculator_failed(e))
         return PendingStep(lambda: done)
+
+    def _without_drafts(self, frame: StepFrame, plain: StepResult, error: str) -> StepResult:
+        """A step whose host-side speculator pass raised: its target tokens, no next drafts, and
+        -1 where a run-ahead successor would read the drafts it counted on."""
+        self.pending_drafts = None
+        k = frame.num_speculative_tokens
+        idx = [i for i, r in enumerate(frame.rows) if r.sampling is not None]
+        if k and idx and not frame.skip_drafts:
+            rows = [frame.rows[i] for i in idx]
+            slots = torch.tensor([r.slot for r in rows], dtype=torch.int64, device=self.device)
+            starts = torch.tensor([r.start_pos + r.num_tokens - r.num_drafts + plain.rows[i].num_accepted + 1
+                                   for r, i in zip(rows, idx, strict=True)], dtype=torch.int64, device=self.device)
+            self.pool.write(slots, starts, torch.full((len(idx), k), -1, dtype=torch.int64, device=self.device))
+        rows_out = [msgspec.structs.replace(r, num_next_drafts=0, next_draft_ids=None) for r in plain.rows]
+        return msgspec.structs.replace(plain, rows=rows_out, speculator_error=error)
 
     # --- the speculator's pass -------------------------------------------------------------
 
@@ -460,7 +520,7 @@ class ModelRunner:
                 result_rows[i] = msgspec.structs.replace(result_rows[i], num_next_drafts=k)
             return msgspec.structs.replace(plain, rows=result_rows)
         idx = torch.tensor(sampling_idx, dtype=torch.int64, device=self.device)
-        ids = self._gated(drafts)[idx]
+        ids = self._in_vocab(self._gated(drafts)[idx])
         sample_slots = slot_index[idx]
         start = torch.tensor([seq_lens[i] for i in sampling_idx], device=self.device)
         self.pool.write(sample_slots, start, ids)
@@ -501,7 +561,7 @@ class ModelRunner:
         keep = [j for j, (slot, generation) in enumerate(pending.keys) if owner.get(slot, generation) == generation]
         if not keep:
             return
-        ids = pending.staging.to(self.device, non_blocking=True)  # the reply's copy, behind the gate
+        ids = self._in_vocab(pending.staging.to(self.device, non_blocking=True))  # the reply's copy, behind the gate
         rows = torch.tensor([pending.rows[j] for j in keep], dtype=torch.int64, device=self.device)
         slots = torch.tensor([pending.keys[j][0] for j in keep], dtype=torch.int64, device=self.device)
         starts = torch.tensor([pending.starts[j] for j in keep], dtype=torch.int64, device=self.device)

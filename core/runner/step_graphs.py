@@ -103,10 +103,14 @@ class StepGraphs:
     def capture(self) -> None:
         """Captures every shape, largest first (smaller ones reuse its memory), with progress."""
         shapes = self.shapes()
-        for shape in tqdm(shapes, desc="capturing device graphs", unit="graph", file=sys.stderr, disable=None,
-                          leave=False):
-            meta = self.runner.plan(StepFrame(-1, []), shape)
-            self.graphs[shape] = self._record(meta, shape)
+        self.runner.isolate_speculator = False
+        try:
+            for shape in tqdm(shapes, desc="capturing device graphs", unit="graph", file=sys.stderr, disable=None,
+                              leave=False):
+                meta = self.runner.plan(StepFrame(-1, []), shape)
+                self.graphs[shape] = self._record(meta, shape)
+        finally:
+            self.runner.isolate_speculator = True
         self.platform.synchronize()
         self.buffer_ptr = self._buffer_ptr()
         log.info("graphs_captured", num_graphs=len(self.graphs), row_buckets=self.buckets,

@@ -48,6 +48,8 @@ class StepDevice(Protocol):
     """The part of the runner a graph captures: plan a step's buffers, run its device work."""
 
     attention: AttentionBackend
+    isolate_speculator: bool
+    """Off while graphs are captured: a raising speculator pass then fails the capture."""
 
     def plan(self, frame: StepFrame, padded: StepShape | None) -> AttentionMetadata: ...
 

@@ -101,7 +101,8 @@ def read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
-def check_prompt_fits(text: str, messages: list[dict[str, str]] | None, path: Path, limit: int) -> None:
+def check_prompt_fits(text: str, messages: list[dict[str, str]] | None, path: Path, limit: int,
+                      allow_special_tokens: bool = False) -> None:
     """A prompt that cannot fit fails now. Each token spells at least one byte, and a template
     adds fewer than MARGIN tokens, so only a prompt near the limit is tokenized here."""
     margin = 512
@@ -109,8 +110,7 @@ def check_prompt_fits(text: str, messages: list[dict[str, str]] | None, path: Pa
         return
     tokenizer = load_tokenizer(path)
     if messages is not None:
-        n = len(tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True),
-                                 add_special_tokens=False))
+        n = len(tokenizer.encode_chat(messages, allow_special_tokens=allow_special_tokens))
     else:
         n = len(tokenizer.encode(text))
     if n >= limit:
@@ -238,7 +238,8 @@ def run_engine_command(args: argparse.Namespace) -> int:
     args.config = checked.config
     if args.command == "generate":
         messages = None if args.raw else [{"role": "user", "content": args.prompt_text}]
-        check_prompt_fits(args.prompt_text, messages, checked.path, checked.max_model_len)
+        check_prompt_fits(args.prompt_text, messages, checked.path, checked.max_model_len,
+                          checked.config.allow_special_tokens)
         return anyio.run(cmd_generate, args)
     from . import chat  # prompt_toolkit loads for `chat` alone
 

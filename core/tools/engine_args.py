@@ -71,6 +71,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="N engine-core ranks behind one frontend, requests balanced by load")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay captured device graphs (they are captured at start on CUDA)")
+    p.add_argument("--allow-special-tokens", action="store_true",
+                   help="let chat message content spell control tokens such as <|im_end|> (trusted "
+                        "callers only; by default such text is encoded as text)")
 
 
 def sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -138,7 +141,8 @@ def config_from(args: argparse.Namespace) -> EngineConfig:
                         adaptive_speculation=args.adaptive_speculation,
                         speculator_options=parse_options(args.speculator_option),
                         pipeline_parallel_size=args.pipeline_parallel_size,
-                        data_parallel_size=args.data_parallel_size)
+                        data_parallel_size=args.data_parallel_size,
+                        allow_special_tokens=args.allow_special_tokens)
 
 
 def flag(field: str) -> str:

@@ -26,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from ... import log
 from ...config import EngineConfig
-from ...errors import EngineDeadError, EngineOverloadedError, InvalidInputError, SpeckernelError
+from ...errors import EngineDeadError, EngineOverloadedError, EngineRequestError, InvalidInputError, SpeckernelError
 from ...frontend.async_engine import AsyncEngine
 from ...outputs import RequestOutput
 from ...sampling_params import SamplingParams
@@ -204,6 +204,7 @@ class Server:
             BodyTimeout: self._body_timeout,
             EngineOverloadedError: self._overloaded,
             EngineDeadError: self._engine_dead,
+            EngineRequestError: self._request_failed,
             Unauthorized: self._unauthorized,
             ClientLeft: self._client_left,
         }
@@ -237,6 +238,13 @@ class Server:
         logger.error("request_failed", path=request.url.path, error=f"{type(exc).__name__}: {exc}",
                      exc_info=exc)
         return error_response(500, f"{type(exc).__name__}: {exc}", "server_error", code="internal_error")
+
+    async def _request_failed(self, request: Request, exc: Exception) -> Response:
+        """A request the engine failed while running it: 500 in OpenAI's shape with the core's
+        own message, counted; the engine serves on."""
+        self.metrics.requests.labels("error").inc()
+        logger.error("request_failed", path=request.url.path, error=str(exc))
+        return error_response(500, str(exc), "server_error", code="engine_error")
 
     async def _too_large(self, request: Request, exc: Exception) -> Response:
         self.metrics.requests.labels("invalid").inc()
@@ -452,7 +460,8 @@ class Server:
                     yield sse(ErrorResponse(error=ErrorBody(
                         message=str(e) if isinstance(e, SpeckernelError) else f"{type(e).__name__}: {e}",
                         type="service_unavailable" if dead else "server_error",
-                        code="engine_dead" if dead else "internal_error")))
+                        code="engine_dead" if dead else
+                        "engine_error" if isinstance(e, EngineRequestError) else "internal_error")))
                     yield DONE
                     return
             outcome = (last.finish_reason if last is not None else None) or "stop"

@@ -30,6 +30,8 @@ SPEC_FIELDS = (
     ("num_host_draft_copies", "spec_host_draft_copies", "steps that copied draft ids to the host", True),
     ("acceptance_rate", "spec_acceptance_rate", "accepted / proposed draft tokens", False),
     ("mean_acceptance_length", "spec_mean_acceptance_length", "tokens per verification step", False),
+    ("num_speculator_failures", "spec_speculator_failures", "steps whose speculator pass raised (no drafts)", True),
+    ("speculator_off", "spec_speculator_off", "1 once the engine switched a failing speculator off", False),
 )
 ENGINE_COUNTERS = (
     ("num_steps", "engine_steps", "engine steps run"),
@@ -73,7 +75,7 @@ class EngineCollector(Collector):
         for key, name, text, is_counter in SPEC_FIELDS:
             family = CounterMetricFamily if is_counter else GaugeMetricFamily
             metric = family(f"{self.prefix}_{name}", text)
-            metric.add_metric([], spec.get(key) or 0.0)
+            metric.add_metric([], float(spec.get(key) or 0.0))
             yield metric
         for key, value in sorted((spec.get("plugin") or {}).items()):  # the speculator's own counters
             plugin = GaugeMetricFamily(f"{self.prefix}_spec_plugin_{key}",
