@@ -3,7 +3,7 @@ input answered 400 in OpenAI's error shape while the server keeps serving, the A
 from a file or the environment), usage and /metrics, a dead engine core (503, and /health says
 so), the ready, access and shutdown lines, a port in use refused before the model loads, and
 SIGTERM / Ctrl-C. The official `openai` client against the real model is in
-test_serve_openai.py, the load tests in test_serve_load.py.
+test_serve_openai.py, the load tests in test_serve_load.py and test_serve_hostile.py.
 """
 
 from __future__ import annotations
