@@ -314,7 +314,7 @@ def markdown(report: dict[str, Any]) -> list[str]:
             quiet = next(q for q in runs if q["speculator"] == r["speculator"] and q["concurrency"] == r["concurrency"]
                          and q.get("load") == "quiet")
             ended = "; ".join(f"{kind}: " + ", ".join(f"{n}\N{MULTIPLICATION SIGN} {o}" for o, n in sorted(c.items()))
-                              for kind, c in r["hostile_outcomes"].items())
+                              for kind in KINDS if (c := r["hostile_outcomes"].get(kind)))
             lines.append(
                 f"| {r['speculator']} | {r['concurrency']} | {r['num_hostile']} | "
                 f"{cell(r['per_token_p50_ms'], '.1f')} ({cell(quiet['per_token_p50_ms'], '.1f')}) | "

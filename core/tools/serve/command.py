@@ -85,8 +85,8 @@ def port(text: str) -> int:
 
 
 def api_key(args: argparse.Namespace) -> str | None:
-    """The key from --api-key-file, else $SPECKERNEL_API_KEY, else --api-key (with a warning:
-    a command line is world-readable); None: no key required."""
+    """The key from --api-key-file, else --api-key (with a warning: a command line is readable by
+    every user), else $SPECKERNEL_API_KEY; None: no key required."""
     if args.api_key is not None and args.api_key_file is not None:
         raise InvalidInputError("--api-key and --api-key-file: give one of them")
     if args.api_key_file is not None:
@@ -108,8 +108,9 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the model loads: a port in use (or an address this host
-    does not have) fails in one line at once, not after a minute of loading with a traceback."""
+    """The server's socket, bound before the model loads (uvicorn listens on it once the engine is
+    up): a port in use, or an address this host does not have, fails in one line at once, not
+    after a minute of loading with a traceback."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
