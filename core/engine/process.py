@@ -4,8 +4,9 @@ Its lifetime is the frontend's: it ignores SIGINT (a Ctrl-C reaches the whole pr
 frontend decides what it means), reads everything it needs from stdin (so `ps` shows neither
 config nor keys), and exits when the frontend says Shutdown, when the frontend's process is gone
 (its parent pid changes), on SIGTERM (exit code 143, after telling the frontend why) or on a
-fatal error (exit code 1, after reporting it). While it runs, its loop sends a Heartbeat every
-HEARTBEAT_S, so a frontend can tell a hung core from a busy one.
+fatal error (exit code 1, after reporting it). From the moment its sockets connect it sends a
+Heartbeat every HEARTBEAT_S (a thread while the model loads, then its loop), so a frontend can
+tell a hung core from a busy one, during start-up too.
 
 Every incoming frame is decoded and checked on a socket thread, totally: a frame that fails is
 logged with its traceback and dropped, and a request or utility call whose id can still be read
@@ -117,13 +118,18 @@ class CoreProcess:
 
     def run(self) -> int:
         """Serves until told to stop; the process's exit code."""
+        started = threading.Event()
+        beats = threading.Thread(target=self._beat_until, args=(started,), name="speckernel-core-start-beat",
+                                 daemon=True)
+        beats.start()
         try:
             # torch loads here, in the core process alone: the frontend imports this module too.
             from .core import EngineCore
 
             core = EngineCore(self.boot.config)
         except Exception as e:
-            return self._finish(self._refused(e))
+            return self._finish(self._refused(e, beats, started))
+        self._stop_beating(beats, started)
         try:
             self.send(core.ready_message())
             anyio.run(self._serve, core)
@@ -143,6 +149,20 @@ class CoreProcess:
         except zmq.Again:
             self.frontend_gone.set()
             raise _FrontendGone from None
+
+    def _beat_until(self, started: threading.Event) -> None:
+        """Start-up beats, from a thread while the model loads (a core that hangs or is stopped
+        there goes silent, and its frontend says so instead of waiting out the start-up timeout)."""
+        while True:
+            with contextlib.suppress(_FrontendGone):
+                self.send(Heartbeat())
+            if started.wait(HEARTBEAT_S):
+                return
+
+    def _stop_beating(self, beats: threading.Thread, started: threading.Event) -> None:
+        """Ends the start-up beats before the main thread uses the socket (one thread at a time)."""
+        started.set()
+        beats.join()
 
     def _report(self, msg: CoreFailed) -> None:
         """A last message, for a frontend that may be gone already."""
@@ -221,9 +241,10 @@ class CoreProcess:
 
     # --- exit codes -----------------------------------------------------------------------
 
-    def _refused(self, e: Exception) -> int:
+    def _refused(self, e: Exception, beats: threading.Thread, started: threading.Event) -> int:
         """The core did not start: bad input is the caller's mistake (exit 0, the frontend
         reports it); anything else is a crash (exit 1)."""
+        self._stop_beating(beats, started)
         invalid = isinstance(e, InvalidInputError)
         if invalid:
             self.log.info("engine_core_start_refused", error=str(e))

@@ -10,6 +10,7 @@ bounded by a short grace, then SIGKILL.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hmac
 import logging
 import math
@@ -42,8 +43,13 @@ from ..wire.messages import CoreBootstrap, CoreFailed, CoreMessage, CoreReady, F
 POLL_S = 0.1
 HEARTBEAT_TIMEOUT_S = 3.0
 """Silence (while the frontend was listening) after which a core is hung: six missed beats."""
+STARTUP_HEARTBEAT_TIMEOUT_S = 30.0
+"""The same during start-up, where the core beats from a thread while the model loads: looser,
+since loading may hold the GIL for a while (a shared library's load, a long C call)."""
 SEND_WAIT_S = 0.1
 """The longest a send waits for a core whose socket is momentarily not there."""
+REAP_S = 1.0
+"""How long a SIGKILLed core may take to be reaped (milliseconds, in practice)."""
 SHUTDOWN_GRACE_S = 3.0
 """How long a core told to shut down may take before it is killed."""
 IPC_PREFIX = "speckernel-ipc-"
@@ -82,7 +88,8 @@ class CoreClient(ABC):
         """Frees sockets once nothing receives any more."""
 
     def death_reason(self) -> str:
-        return "engine core stopped"
+        """How the core ended, after 'engine core died: '."""
+        return "it stopped"
 
 
 class InprocClient(CoreClient):
@@ -180,6 +187,15 @@ def make_ipc_dir() -> str:
     raise errors_mod.EngineDeadError(f"no temp folder has a path short enough for a socket: {bases}")
 
 
+def _ended(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 class _OneKey:
     """ZAP credentials: only the core this client spawned (its CURVE public key) is admitted."""
 
@@ -256,9 +272,10 @@ class ProcessClient(CoreClient):
                 return first
             if isinstance(first, CoreFailed):
                 raise_core_failure(first)
-            raise errors_mod.EngineDeadError(f"engine core exited during start-up ({self.death_reason()})")
-        raise errors_mod.EngineDeadError(
-            f"engine core did not start within {self.config.startup_timeout_s} s")
+            raise errors_mod.EngineDeadError(f"engine core failed during start-up: {self.death_reason()}")
+        self._give_up(f"pid {self.proc.pid} did not start within {self.config.startup_timeout_s} s "
+                      "(startup_timeout_s)")
+        raise errors_mod.EngineDeadError(f"engine core failed during start-up: {self.death_reason()}")
 
     def send(self, msg: FrontendMessage) -> None:
         """Never blocks for long: the bound PUSH queues without limit (SNDHWM 0) while the core is
@@ -278,11 +295,15 @@ class ProcessClient(CoreClient):
         raise errors_mod.EngineDeadError(f"engine core died: {self.death_reason()}")
 
     def _give_up(self, reason: str) -> None:
+        """Declares a still-running core dead and SIGKILLs it; it is reaped here (a killed process,
+        even a stopped one, ends at once), so the message says how it ended, not that it runs."""
         if self.gave_up is None:
             self.gave_up = reason
-            self.log.warning("engine_core_given_up", reason=reason)
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()  # works on a stopped process too; reaped by close() / poll()
+            self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(REAP_S)
+        self.log.warning("engine_core_given_up", reason=self.death_reason())
 
     def _poll(self) -> list[zmq.Frame] | None:
         """One poll of the socket. Only the poll's own wait counts as silence, capped at POLL_S:
@@ -309,20 +330,26 @@ class ProcessClient(CoreClient):
                 continue
             if self.proc is None or self.proc.poll() is not None:
                 return None
-            if self.ready and self.silent_s >= HEARTBEAT_TIMEOUT_S:
-                self._give_up(f"engine core stopped answering (no heartbeat for {self.silent_s:.1f} s); "
-                              "killed it")
+            bound = HEARTBEAT_TIMEOUT_S if self.ready else STARTUP_HEARTBEAT_TIMEOUT_S
+            if self.silent_s >= bound:
+                during = "" if self.ready else " during start-up"
+                self._give_up(f"pid {self.proc.pid} stopped answering{during} "
+                              f"(no heartbeat for {self.silent_s:.1f} s)")
         return None
 
     def death_reason(self) -> str:
-        code = None if self.proc is None else self.proc.poll()
+        """How the core's process ended, after 'engine core died: ': its pid and exit code or
+        signal, and why this client killed it if it did."""
+        if self.proc is None:
+            return "it never started"
+        code = self.proc.poll()
+        if self.gave_up is not None:
+            how = ("sent it SIGKILL" if code is None else "killed it with SIGKILL" if code == -signal.SIGKILL
+                   else _ended(code))
+            return f"{self.gave_up}; {how}"
         if code is None:
-            state = "engine core process is still running"
-        elif code < 0:
-            state = f"engine core process was killed by {signal.Signals(-code).name}"
-        else:
-            state = f"engine core process exited with code {code}"
-        return state if self.gave_up is None else f"{self.gave_up}; {state}"
+            return f"pid {self.proc.pid} is still running"
+        return f"pid {self.proc.pid} {_ended(code)}"
 
     def _wait(self, timeout: float) -> bool:
         assert self.proc is not None

@@ -6,6 +6,8 @@ for longer than the heartbeat bound leaves the core alive.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 
@@ -13,7 +15,8 @@ import anyio
 import pytest
 
 from speckernel import AsyncEngine, EngineConfig, SamplingParams
-from speckernel.errors import PromptTooLongError
+from speckernel.errors import EngineDeadError, PromptTooLongError
+from speckernel.frontend import client as client_module
 from speckernel.frontend.client import HEARTBEAT_TIMEOUT_S, ProcessClient
 
 CONFIG = EngineConfig(platform="cpu", max_model_len=256, num_kv_blocks=64, seed=0)
@@ -70,3 +73,50 @@ async def test_a_5mb_prompt_and_5s_of_gil_held_by_user_code_leave_the_core_alive
         after = [o async for o in engine.generate("The capital of France is", GREEDY)][-1].token_ids
         assert after == before
         assert (await engine.stats())["num_running"] == 0
+
+
+TINY = EngineConfig(model="random:tiny", platform="cpu", max_model_len=64, num_kv_blocks=64)
+
+
+async def test_the_core_beats_while_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading takes seconds (torch's import alone); beats from the core's start-up thread keep a
+    frontend with a start-up bound shorter than that from declaring it hung."""
+    monkeypatch.setattr(client_module, "STARTUP_HEARTBEAT_TIMEOUT_S", 2.5)
+    client = ProcessClient(TINY)
+    try:
+        async with anyio.create_task_group() as tg:
+            t0 = time.monotonic()
+            await client.start(tg)
+            took = time.monotonic() - t0
+            assert client.gave_up is None
+            await client.close()
+    finally:
+        client.release()
+    print(f"started in {took:.1f} s")
+
+
+async def test_a_core_stopped_while_it_starts_is_reported_at_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not after the whole start-up timeout (300 s): the silence bound applies from the first
+    moment, and the message names the pid and how it ended."""
+    monkeypatch.setattr(client_module, "STARTUP_HEARTBEAT_TIMEOUT_S", 2.0)
+    client = ProcessClient(TINY)
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def stop_it() -> None:
+                while client.proc is None:
+                    await anyio.sleep(0.01)
+                await anyio.sleep(0.5)
+                os.kill(client.proc.pid, signal.SIGSTOP)
+
+            tg.start_soon(stop_it)
+            t0 = time.monotonic()
+            with anyio.fail_after(10), pytest.raises(
+                    EngineDeadError, match=r"^engine core failed during start-up: pid \d+ stopped answering during "
+                                           r"start-up \(no heartbeat for 2\.\d s\); killed it with SIGKILL$"):
+                await client.start(tg)
+            took = time.monotonic() - t0
+    finally:
+        client.release()
+    assert took < 2.0 + 3, took
+    assert client.proc is not None and client.proc.returncode == -signal.SIGKILL

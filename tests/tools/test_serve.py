@@ -1,18 +1,22 @@
 """`speckernel serve` as a real server process on 127.0.0.1, with the tiny random model: bad
-input answered 400 in OpenAI's error shape while the server keeps serving, the API key (401),
-usage and /metrics, and a dead engine core (503, and /health says so). The official `openai`
-client against the real model is in test_serve_openai.py, the load test in test_serve_load.py.
+input answered 400 in OpenAI's error shape while the server keeps serving, the API key (401;
+from a file or the environment), usage and /metrics, a dead engine core (503, and /health says
+so), the ready, access and shutdown lines, a port in use refused before the model loads, and
+SIGTERM / Ctrl-C. The official `openai` client against the real model is in
+test_serve_openai.py, the load tests in test_serve_load.py and test_serve_hostile.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -102,11 +106,13 @@ def serve_many(*flag_lists: list[str]) -> Iterator[list[Served]]:
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[list[Served]]:
-    """Two tiny servers started together: one with an API key, one whose core a test kills (with a
-    context long enough for a stream that is still running when it dies)."""
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Served]]:
+    """Two tiny servers started together: one with an API key (from a file), one whose core a test
+    kills (with a context long enough for a stream that is still running when it dies)."""
+    key_file = tmp_path_factory.mktemp("key") / "api-key"
+    key_file.write_text(KEY + "\n")
     restarted = [*TINY, "--max-model-len", "2048", "--restart-backoff", "0.5"]
-    with serve_many([*TINY, "--api-key", KEY], restarted) as started:
+    with serve_many([*TINY, "--api-key-file", str(key_file)], restarted) as started:
         yield started
 
 
@@ -243,6 +249,121 @@ def test_a_dead_core_is_replaced_its_requests_fail_and_health_recovers(servers: 
 
 def test_a_core_that_may_not_be_replaced_ends_serve_with_code_1() -> None:
     with serve(*TINY, "--max-restarts", "0") as served:
-        os.kill(served.core_pid(), signal.SIGKILL)
+        core = served.core_pid()
+        os.kill(core, signal.SIGKILL)
         assert served.proc.wait(30) == 1
-        assert "not restarted (0 restarts within 600 s)" in served.log.read_text()
+        last = served.log.read_text().splitlines()[-1]
+        assert last == (f"speckernel: error: engine core died: pid {core} was killed by SIGKILL; not restarted "
+                        "(0 restarts within 600 s)")
+
+
+# --- talking like a server --------------------------------------------------------------------
+
+LINE = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|\S+)")
+
+
+def events(log: Path, name: str) -> list[dict[str, str]]:
+    """The key-value log lines of one event, their values as written (strings unquoted)."""
+    found = []
+    for line in log.read_text().splitlines():
+        fields = {k: v.strip("'") for k, v in LINE.findall(line)}
+        if fields.get("event") == name:
+            found.append(fields)
+    return found
+
+
+def test_a_ready_line_names_the_url_and_model_and_every_request_is_one_access_line(tiny: Served) -> None:
+    (ready,) = events(tiny.log, "ready")
+    assert ready["url"] == tiny.url and ready["model"] == "random:tiny" and ready["level"] == "info"
+    assert ready["platform"] == "cpu" and ready["max_model_len"] == "64"
+    before = len(events(tiny.log, "request"))
+    assert post(tiny, "/v1/completions", COMPLETION).status_code == 200
+    assert post(tiny, "/v1/completions", COMPLETION | {"max_tokens": "four"}).status_code == 400
+    assert httpx.get(f"{tiny.url}/v1/nope").status_code == 404
+    time.sleep(0.2)
+    seen = events(tiny.log, "request")[before:]
+    assert [(r["method"], r["path"], r["status"]) for r in seen] == [
+        ("POST", "/v1/completions", "200"), ("POST", "/v1/completions", "400"), ("GET", "/v1/nope", "404")]
+    assert all(float(r["duration_ms"]) >= 0 and r["component"] == "serve.access" for r in seen)
+    assert "--api-key" not in tiny.log.read_text(), "a key from a file draws no warning"
+
+
+def test_sigterm_ends_open_streams_with_an_error_then_done_and_ctrl_c_exits_130() -> None:
+    """On SIGTERM a stream in flight gets an error event and [DONE] (not a cut connection), a
+    request waiting for its whole answer gets 503, serve says it is stopping and exits 0; after
+    Ctrl-C it exits 130, like every other command."""
+    with serve_many([*TINY, "--max-model-len", "2048"], TINY) as (termed, interrupted):
+        long = COMPLETION | {"max_tokens": 1800, "ignore_eos": True}
+        waited: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: waited.append(post(termed, "/v1/completions", long)))
+        with httpx.stream("POST", termed.url + "/v1/completions", json=long | {"stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            waiter.start()
+            deadline = time.monotonic() + 20
+            while termed.metric("speckernel_num_requests_running") < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            termed.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        waiter.join(30)
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["code"] == "server_shutting_down" and error["type"] == "service_unavailable"
+        assert all("error" not in json.loads(line[6:]) for line in rest[:-2])
+        assert waited[0].status_code == 503 and waited[0].json()["error"]["code"] == "server_shutting_down"
+        assert termed.proc.wait(20) == 0
+        (stopping,) = events(termed.log, "shutting_down")
+        assert stopping["reason"] == "SIGTERM" and stopping["open_streams"] == "1"
+        assert events(termed.log, "stopped")
+        interrupted.proc.send_signal(signal.SIGINT)
+        assert interrupted.proc.wait(20) == 130
+        assert events(interrupted.log, "shutting_down")[0]["reason"] == "SIGINT"
+
+
+def test_a_port_in_use_fails_in_one_line_before_the_model_loads() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "speckernel", "serve", *TINY, "--port", str(port), "--log-level",
+                            "debug", "--api-key", KEY], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines() == [
+        "speckernel: warning: --api-key shows the key to every user of this host (ps, /proc); set "
+        "$SPECKERNEL_API_KEY or use --api-key-file",
+        f"speckernel: error: cannot listen on 127.0.0.1:{port}: Address already in use (another process has it; "
+        "pick another --port)"]
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_a_port_out_of_range_is_bad_input(port: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "speckernel", "serve", "--port", port], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "--port" in r.stderr, r.stderr
+
+
+def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from speckernel.errors import InvalidInputError
+    from speckernel.tools.cli import build_parser
+    from speckernel.tools.serve.command import API_KEY_ENV, api_key
+
+    def key_of(*flags: str) -> str | None:
+        return api_key(build_parser().parse_args(["serve", *flags]))
+
+    (tmp_path / "key").write_text("sk-from-file\n")
+    (tmp_path / "empty").write_text("\n")
+    monkeypatch.setenv(API_KEY_ENV, "sk-from-env")
+    assert key_of("--api-key-file", str(tmp_path / "key")) == "sk-from-file"
+    assert key_of() == "sk-from-env"
+    assert capsys.readouterr().err == ""
+    assert key_of("--api-key", "sk-typed") == "sk-typed"
+    assert "warning: --api-key shows the key" in capsys.readouterr().err
+    monkeypatch.delenv(API_KEY_ENV)
+    assert key_of() is None
+    for flags, message in ((["--api-key-file", str(tmp_path / "empty")], "the file is empty"),
+                           (["--api-key-file", str(tmp_path / "nope")], "No such file"),
+                           (["--api-key", "a", "--api-key-file", str(tmp_path / "key")], "give one of them")):
+        with pytest.raises(InvalidInputError, match=message):
+            key_of(*flags)

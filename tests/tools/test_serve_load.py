@@ -132,3 +132,22 @@ def test_non_streaming_client_that_leaves_is_aborted(served: Served) -> None:
     assert served.metric(abort) == aborted + 1
     assert served.metric("speckernel_engine_generated_tokens_total") - generated < LEAVER_MAX_TOKENS / 2
     assert served.metric("speckernel_num_requests_running") == 0
+
+
+def test_bench_serve_hostile_runs_each_load_with_and_without_the_hostile_share(served: Served, tmp_path: Path) -> None:
+    """`bench serve --hostile 0.25`: the quiet load, then the same load with a quarter of all requests
+    hostile; every hostile kind ends its own way, and the well-behaved texts equal the quiet run's."""
+    assert main(["bench", "serve", "--url", served.url, "--concurrency", "4", "--num-prompts", "21",
+                 "--max-tokens", "6", "--hostile", "0.25", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "serve.json").read_text())
+    quiet, hostile = report["runs"]
+    assert (quiet["load"], quiet["num_hostile"], hostile["load"], hostile["num_hostile"]) == ("quiet", 0, "hostile", 7)
+    assert quiet["num_requests"] == hostile["num_requests"] == 21 and hostile["generated_tokens"] == 21 * 6
+    ended = hostile["hostile_outcomes"]
+    # The tiny model's tokenizer reads "hello world ..." as next to nothing: its huge prompt may fit.
+    assert ended.pop("huge_prompt") in ({"400": 1}, {"200": 1})
+    assert ended == {"huge_body": {"413": 1}, "too_many_stops": {"400": 1}, "longest_stops": {"200": 1},
+                     "disconnect": {"left": 1}, "idle": {"closed": 1}, "drip": {"closed": 1}}
+    assert hostile["identical_to_quiet"] == 21 and hostile["per_token_p50_ratio_to_quiet"] > 0
+    md = (tmp_path / "serve.md").read_text()
+    assert "| server + 7 hostile | 4 | 21 |" in md and "huge_body: 1\N{MULTIPLICATION SIGN} 413" in md

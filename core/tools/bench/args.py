@@ -67,6 +67,17 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def fraction(text: str) -> float:
+    """A share in [0, 1) (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
+    return value
+
+
 def accept_arguments(p: argparse.ArgumentParser) -> None:
     speculator_flags(p, "repeatable; default: ngram and draft_model")
     p.add_argument("--label", default=None, help="name of the speculative runs in the table")
@@ -185,6 +196,10 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=16, help="concurrency C runs max(C, this) prompts")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64], help="comma-separated (default: 1,4,16,64)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one HTTP request may take")
+    p.add_argument("--hostile", type=fraction, default=0.0, metavar="F",
+                   help="also run each load with this share of hostile requests (huge bodies and prompts, "
+                        "many stop strings, disconnects, idle connections) added, next to it without "
+                        "(0.25: a quarter; default: 0, none)")
     engine_flags(p, process=False)
 
 

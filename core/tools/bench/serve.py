@@ -2,7 +2,10 @@
 requests (HumanEval prompts, greedy) at each concurrency C (C requests in flight over
 max(C, --num-prompts) prompts), through httpx2 (the HTTP client the `openai` package uses).
 Per run: requests/s, tokens/s, time to first token and time per output token at p50 and p99,
-and the speculation counters from the server's /metrics over that run alone.
+and the speculation counters from the server's /metrics over that run alone. With --hostile F,
+each load runs a second time with hostile requests added (F of all requests: hostile.KINDS) and
+the report puts the two side by side: how each hostile kind ended, and the well-behaved streams'
+latency next to the quiet run's.
 
 Without --url, one server per speculator (none first, then each --speculator) is started on a
 free loopback port, measured and stopped, so the table compares them side by side; with --url,
@@ -26,6 +29,9 @@ import msgspec
 
 from ..datasets import humaneval_messages
 from .command import cell, concurrency_axis, header, ms, percentile, preamble, ratio
+from .hostile import KINDS, hostile_request
+
+HOSTILE_WORKERS = 4
 
 START_TIMEOUT_S = 600.0
 SPEC_METRICS = ("spec_drafts_total", "spec_draft_tokens_total", "spec_accepted_tokens_total", "spec_k0_steps_total")
@@ -142,30 +148,48 @@ async def one_request(client: Any, model: str, messages: list[dict[str, str]], m
     done = time.monotonic()
     return {"ttft": None if first is None else first - started,
             "tpot": (last - first) / (tokens - 1) if first is not None and last is not None and tokens > 1 else None,
+            "per_token": (last - started) / tokens if last is not None and tokens else None,
             "tokens": tokens, "latency": done - started, "text": text}
 
 
 async def run_load(client: Any, model: str, prompts: list[list[dict[str, str]]], max_tokens: int,
-                   concurrency: int) -> dict[str, Any]:
+                   concurrency: int, num_hostile: int = 0, url: str = "") -> dict[str, Any]:
+    """C well-behaved streams in flight over the prompts; with num_hostile, HOSTILE_WORKERS more
+    send that many hostile requests (the kinds in turn) meanwhile."""
     results: list[dict[str, Any] | None] = [None] * len(prompts)
     pending = iter(range(len(prompts)))
+    hostile = iter(range(num_hostile))
+    outcomes: dict[str, dict[str, int]] = {}
 
     async def worker() -> None:
         for i in pending:  # shared by the workers: each prompt runs once
             results[i] = await one_request(client, model, prompts[i], max_tokens)
+
+    async def attacker() -> None:
+        for i in hostile:
+            kind = KINDS[i % len(KINDS)]
+            outcome = await hostile_request(client, url, model, prompts[i % len(prompts)], kind)
+            counts = outcomes.setdefault(kind, {})
+            counts[outcome] = counts.get(outcome, 0) + 1
 
     before = await scrape(client)
     started = time.monotonic()
     async with anyio.create_task_group() as tg:
         for _ in range(min(concurrency, len(prompts))):
             tg.start_soon(worker)
+        for _ in range(min(HOSTILE_WORKERS, num_hostile)):
+            tg.start_soon(attacker)
     elapsed = time.monotonic() - started
     after = await scrape(client)
     done = [r for r in results if r is not None]
     ttft = [r["ttft"] for r in done if r["ttft"] is not None]
     tpot = [r["tpot"] for r in done if r["tpot"] is not None]
+    per_token = [r["per_token"] for r in done if r["per_token"] is not None]
     generated = sum(r["tokens"] for r in done)
     return {
+        "load": "hostile" if num_hostile else "quiet",
+        "num_hostile": num_hostile,
+        "hostile_outcomes": outcomes,
         "concurrency": concurrency,
         "num_requests": len(done),
         "generated_tokens": generated,
@@ -176,6 +200,8 @@ async def run_load(client: Any, model: str, prompts: list[list[dict[str, str]]],
         "ttft_p99_ms": ms(percentile(ttft, 99)),
         "tpot_p50_ms": ms(percentile(tpot, 50)),
         "tpot_p99_ms": ms(percentile(tpot, 99)),
+        "per_token_p50_ms": ms(percentile(per_token, 50)),
+        "per_token_p90_ms": ms(percentile(per_token, 90)),
         "latency_p50_ms": ms(percentile([r["latency"] for r in done], 50)),
         "spec": spec_delta(before, after),
         "texts": [r["text"] for r in done],
@@ -198,6 +224,11 @@ async def measure(url: str, label: str, args: argparse.Namespace, prompts: list[
         for c, n in sizes.items():
             print(f"bench serve: {label} c={c}: {n} requests", file=sys.stderr)
             runs.append({"speculator": label} | await run_load(client, model, prompts[:n], args.max_tokens, c))
+            if args.hostile:
+                h = max(1, round(n * args.hostile / (1 - args.hostile)))
+                print(f"bench serve: {label} c={c}: {n} requests and {h} hostile ones", file=sys.stderr)
+                runs.append({"speculator": label} | await run_load(client, model, prompts[:n], args.max_tokens, c,
+                                                                   h, url))
     return info, runs
 
 
@@ -215,10 +246,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 info, found = await measure(url, name or "none", args, prompts, sizes)
             runs += found
     for r in runs:
-        base = next((b for b in runs if b["speculator"] == "none" and b["concurrency"] == r["concurrency"]), None)
+        base = next((b for b in runs if b["speculator"] == "none" and b["concurrency"] == r["concurrency"]
+                     and b["load"] == r["load"]), None)
         r["ratio_to_none"] = ratio(r["tokens_per_s"], base["tokens_per_s"]) if base else None
         r["identical_to_none"] = (sum(a == b for a, b in zip(r["texts"], base["texts"], strict=False))
                                   if base else None)
+        quiet = next((b for b in runs if b["speculator"] == r["speculator"] and b["concurrency"] == r["concurrency"]
+                      and b["load"] == "quiet"), None)
+        hostile = r["load"] == "hostile" and quiet is not None
+        r["per_token_p50_ratio_to_quiet"] = ratio(r["per_token_p50_ms"], quiet["per_token_p50_ms"]) \
+            if hostile and quiet else None
+        r["per_token_p90_ratio_to_quiet"] = ratio(r["per_token_p90_ms"], quiet["per_token_p90_ms"]) \
+            if hostile and quiet else None
+        r["identical_to_quiet"] = (sum(a == b for a, b in zip(r["texts"], quiet["texts"], strict=False))
+                                   if hostile and quiet else None)
     for r in runs:
         del r["texts"]
     return header("serve") | {
@@ -231,6 +272,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "num_prompts": args.num_prompts,
         "concurrency": args.concurrency,
+        "hostile": args.hostile,
         "runs": runs,
     }
 
@@ -248,13 +290,37 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "TPOT p99 ms | mean acceptance length | ratio to none | identical to none |",
         "|---" * 12 + "|",
     ]
-    for r in report["runs"]:
+    runs = report["runs"]
+    hostile = [r for r in runs if r.get("load") == "hostile"]
+    if hostile:  # the table's rows alternate quiet and hostile; say what the hostile rows add
+        lines[-2:-2] = [
+            f"Hostile rows: the same load with {report['hostile']:.0%} of all requests hostile, sent by "
+            f"{HOSTILE_WORKERS} more clients meanwhile (kinds in turn: {', '.join(KINDS)}). The well-behaved "
+            "streams' time per token from request to last token (p50, p90) is compared with the quiet row's, "
+            "and their greedy texts with the quiet row's.", ""]
+    for r in runs:
         same = "\N{EN DASH}" if r["identical_to_none"] is None else f"{r['identical_to_none']}/{r['num_requests']}"
+        speculator = r["speculator"] + (f" + {r['num_hostile']} hostile" if r.get("load") == "hostile" else "")
         lines.append(
-            f"| {r['speculator']} | {r['concurrency']} | {r['num_requests']} | {r['requests_per_s']:.2f} | "
+            f"| {speculator} | {r['concurrency']} | {r['num_requests']} | {r['requests_per_s']:.2f} | "
             f"{r['tokens_per_s']:.1f} | {cell(r['ttft_p50_ms'], '.1f')} | {cell(r['ttft_p99_ms'], '.1f')} | "
             f"{cell(r['tpot_p50_ms'])} | {cell(r['tpot_p99_ms'])} | {cell(r['spec']['mean_acceptance_length'])} | "
             f"{cell(r['ratio_to_none'])} | {same} |")
+    if hostile:
+        lines += ["", "| speculator | concurrency | hostile | per-token p50 ms (quiet) | per-token p90 ms (quiet) | "
+                      "p50 ratio | p90 ratio | identical to quiet | how the hostile requests ended |",
+                  "|---" * 9 + "|"]
+        for r in hostile:
+            quiet = next(q for q in runs if q["speculator"] == r["speculator"] and q["concurrency"] == r["concurrency"]
+                         and q.get("load") == "quiet")
+            ended = "; ".join(f"{kind}: " + ", ".join(f"{n}\N{MULTIPLICATION SIGN} {o}" for o, n in sorted(c.items()))
+                              for kind in KINDS if (c := r["hostile_outcomes"].get(kind)))
+            lines.append(
+                f"| {r['speculator']} | {r['concurrency']} | {r['num_hostile']} | "
+                f"{cell(r['per_token_p50_ms'], '.1f')} ({cell(quiet['per_token_p50_ms'], '.1f')}) | "
+                f"{cell(r['per_token_p90_ms'], '.1f')} ({cell(quiet['per_token_p90_ms'], '.1f')}) | "
+                f"{cell(r['per_token_p50_ratio_to_quiet'])} | {cell(r['per_token_p90_ratio_to_quiet'])} | "
+                f"{r['identical_to_quiet']}/{r['num_requests']} | {ended} |")
     return lines
 
 
@@ -262,7 +328,7 @@ def plot(report: dict[str, Any], plt: Any) -> Any:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     series: dict[str, list[dict[str, Any]]] = {}
     for r in report["runs"]:
-        series.setdefault(r["speculator"], []).append(r)
+        series.setdefault(r["speculator"] + (" + hostile" if r.get("load") == "hostile" else ""), []).append(r)
     panels = (("tokens_per_s", "tokens/s"), ("ttft_p50_ms", "time to first token p50 (ms)"),
               ("tpot_p50_ms", "time per output token p50 (ms)"))
     concurrencies = sorted({r["concurrency"] for r in report["runs"]})

@@ -4,7 +4,9 @@ The engine lives in the server's event loop (started and stopped by the app's li
 request is a coroutine streaming the engine's deltas; nothing crosses a thread. A client that
 disconnects cancels its handler, which leaves `engine.generate(...)` and so aborts the request in
 the core (its KV blocks are freed at once). Errors come back in OpenAI's JSON shape: bad input
-400, a missing or wrong API key 401, a dead engine core 503.
+400, a missing or wrong API key 401, a dead engine core 503. Once the server begins to shut down,
+open streams end with an error event and `[DONE]`, and requests still waiting answer 503. Every
+request is one key-value line on the access logger (method, path, status, duration).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -30,6 +33,7 @@ from ...errors import EngineDeadError, EngineOverloadedError, EngineRequestError
 from ...frontend.async_engine import AsyncEngine
 from ...outputs import RequestOutput
 from ...sampling_params import SamplingParams
+from .access import AccessLog
 from .limits import (
     Admission,
     BodyTimeout,
@@ -78,6 +82,13 @@ class ClientLeft(Exception):
     """The client disconnected before its answer was ready."""
 
 
+class ShuttingDown(Exception):
+    """The server began to shut down before this request's answer was ready."""
+
+
+SHUTTING_DOWN = "server is shutting down; the request was stopped"
+
+
 def json_response(body: msgspec.Struct, status: int = 200) -> Response:
     return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
 
@@ -99,8 +110,10 @@ async def until_disconnect(receive: Receive) -> None:
         pass
 
 
-async def unless_disconnected(receive: Receive, work: Callable[[], Awaitable[T]]) -> T:
-    """Runs `work`, cancelling it the moment the client disconnects (then raises ClientLeft)."""
+async def unless_disconnected(receive: Receive, work: Callable[[], Awaitable[T]],
+                              closing: anyio.Event | None = None) -> T:
+    """Runs `work`, cancelling it the moment the client disconnects (then raises ClientLeft) or
+    the server begins to shut down (then ShuttingDown)."""
     box: list[T] = []
     failure: list[BaseException] = []
     async with anyio.create_task_group() as tg:
@@ -109,7 +122,14 @@ async def unless_disconnected(receive: Receive, work: Callable[[], Awaitable[T]]
             await until_disconnect(receive)
             tg.cancel_scope.cancel()
 
+        async def watch_closing(event: anyio.Event) -> None:
+            await event.wait()
+            failure.append(ShuttingDown(SHUTTING_DOWN))
+            tg.cancel_scope.cancel()
+
         tg.start_soon(watch)
+        if closing is not None:
+            tg.start_soon(watch_closing, closing)
         try:
             box.append(await work())
         except Exception as e:  # re-raised below, outside the task group (no exception group)
@@ -124,29 +144,57 @@ async def unless_disconnected(receive: Receive, work: Callable[[], Awaitable[T]]
 
 class EventStream(StreamingResponse):
     """Server-sent events that stop the moment the client disconnects, whatever the ASGI
-    version: the body iterator is cancelled then, not at the next write."""
+    version: the body iterator is cancelled then, not at the next write. When the server begins
+    to shut down, the stream is cut between two events and ended with an error event and
+    `[DONE]`, so the client knows its answer is incomplete."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None],
+                 closing: anyio.Event | None = None) -> None:
         super().__init__(content)
         self.on_close = on_close
         """Runs once the stream is over, however it ended (even if it never started)."""
+        self.closing = closing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = ended = left = False
+
+        async def tracked(message: Any) -> None:
+            nonlocal started, ended
+            await send(message)
+            started = started or message["type"] == "http.response.start"
+            ended = message["type"] == "http.response.body" and not message.get("more_body", False)
+
         try:
             async with anyio.create_task_group() as tg:
 
                 async def stream() -> None:
                     try:
-                        await self.stream_response(send)
+                        await self.stream_response(tracked)
                     except OSError:  # the client left while a chunk was being written
                         pass
                     tg.cancel_scope.cancel()
 
+                async def cut_on_closing(closing: anyio.Event) -> None:
+                    await closing.wait()
+                    tg.cancel_scope.cancel()
+
                 tg.start_soon(stream)
+                if self.closing is not None:
+                    tg.start_soon(cut_on_closing, self.closing)
                 await until_disconnect(receive)
+                left = True
                 tg.cancel_scope.cancel()
+            if self.closing is not None and self.closing.is_set() and not (ended or left):
+                if not started:
+                    await send({"type": "http.response.start", "status": self.status_code,
+                                "headers": self.raw_headers})
+                error = ErrorBody(message=SHUTTING_DOWN, type="service_unavailable", code="server_shutting_down")
+                await send({"type": "http.response.body", "body": sse(ErrorResponse(error=error)) + DONE,
+                            "more_body": False})
+        except OSError:  # the client left meanwhile
+            pass
         finally:
             self.on_close()
 
@@ -165,6 +213,9 @@ class Server:
         """Called once the supervisor stops replacing dead cores (the command exits non-zero)."""
         self.supervisor: Supervisor[AsyncEngine] = Supervisor(lambda: AsyncEngine(config), restarts or RestartPolicy(),
                                      self.metrics.restarts.inc, self._gave_up)
+        self.closing: anyio.Event | None = None
+        """Set once the server begins to shut down (made in the lifespan: an event needs the loop)."""
+        self.open_streams = 0
 
     @property
     def engine(self) -> AsyncEngine:
@@ -174,13 +225,35 @@ class Server:
         if self.on_give_up is not None:
             self.on_give_up(reason)
 
+    def announce(self, url: str, started_s: float) -> None:
+        """The ready line: where it listens and what it serves."""
+        info = self.engine.info
+        logger.info("ready", url=url, model=self.model_name, platform=info.platform, dtype=info.dtype,
+                    max_model_len=info.max_model_len, speculator=self.config.speculator,
+                    started_s=round(started_s, 2))
+
+    def begin_shutdown(self, cause: str | None = None) -> None:
+        """Ends every open stream (an error event, then `[DONE]`) and fails every request still
+        waiting for its answer (503), instead of leaving them to be cut when the grace runs out.
+        cause: the signal that stopped the server, if one did."""
+        reason = cause or ("engine core lost" if self.supervisor.state == "failed" else "stopped")
+        logger.info("shutting_down", reason=reason, open_streams=self.open_streams,
+                    in_flight=self.admission.in_flight)
+        if self.closing is not None:
+            self.closing.set()
+
+    def _stream_closed(self) -> None:
+        self.open_streams -= 1
+        self.admission.leave()
+
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.closing = anyio.Event()
         async with anyio.create_task_group() as tg:
             await tg.start(self.supervisor.run)
             info = self.engine.info
-            logger.info("serving", model=self.model_name, platform=info.platform,
-                        max_model_len=info.max_model_len, speculator=self.config.speculator)
+            logger.debug("engine_up", model=self.model_name, platform=info.platform,
+                         max_model_len=info.max_model_len, speculator=self.config.speculator)
             try:
                 yield
             finally:
@@ -207,8 +280,10 @@ class Server:
             EngineRequestError: self._request_failed,
             Unauthorized: self._unauthorized,
             ClientLeft: self._client_left,
+            ShuttingDown: self._shutting_down,
         }
-        return Starlette(routes=routes, lifespan=self.lifespan, exception_handlers=handlers)
+        return Starlette(routes=routes, lifespan=self.lifespan, exception_handlers=handlers,
+                         middleware=[Middleware(AccessLog)])
 
     # --- errors ------------------------------------------------------------------------------
 
@@ -269,6 +344,9 @@ class Server:
 
     async def _client_left(self, request: Request, exc: Exception) -> Response:
         return Response(status_code=499)  # nobody reads it; uvicorn drops it
+
+    async def _shutting_down(self, request: Request, exc: Exception) -> Response:
+        return error_response(503, str(exc), "service_unavailable", code="server_shutting_down")
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -371,7 +449,7 @@ class Server:
         longer than max_queue_wait_s for its first token is refused (429)."""
         wait = self.limits.max_queue_wait_s
         with anyio.move_on_after(wait) as scope:
-            return await unless_disconnected(request.receive, gen.__anext__)
+            return await unless_disconnected(request.receive, gen.__anext__, self.closing)
         assert scope.cancelled_caught
         raise EngineOverloadedError(f"no first token within {wait} s (--max-queue-wait): the engine is busy; "
                                     "retry later")
@@ -387,11 +465,13 @@ class Server:
             first = None
         except BaseException as e:
             await gen.aclose()
-            if isinstance(e, ClientLeft):
+            if isinstance(e, ClientLeft | ShuttingDown):
                 self.metrics.finished("abort", len(ids), None)
             raise
         if req.stream:
-            return EventStream(self._events(gen, first, req, rid, len(ids), chat), on_close=self.admission.leave)
+            self.open_streams += 1
+            return EventStream(self._events(gen, first, req, rid, len(ids), chat), on_close=self._stream_closed,
+                               closing=self.closing)
         async with aclosing(gen):
             last = first
 
@@ -403,8 +483,8 @@ class Server:
 
             try:
                 if first is not None and not first.finished:
-                    last = await unless_disconnected(request.receive, rest)
-            except ClientLeft:
+                    last = await unless_disconnected(request.receive, rest, self.closing)
+            except (ClientLeft, ShuttingDown):
                 self.metrics.finished("abort", len(ids), None)
                 raise
         assert last is not None
