@@ -553,7 +553,7 @@ def test_a_core_whose_loop_raises_reports_the_cause_and_exits_with_1(monkeypatch
     task group around it), and return exit code 1."""
     from speckernel.engine import process as core_process
     from speckernel.engine.core import EngineCore
-    from speckernel.wire.messages import CoreFailed, CoreMessage, CoreReady
+    from speckernel.wire.messages import CoreFailed, CoreMessage, CoreReady, Heartbeat
 
     async def crash(self: EngineCore, emit: Any) -> None:
         raise RuntimeError("boom in the loop")
@@ -584,6 +584,7 @@ def test_a_core_whose_loop_raises_reports_the_cause_and_exits_with_1(monkeypatch
         received.append(decoder.decode(from_core.recv_multipart(copy=False)))
     ctx.destroy(linger=0)
     assert code == core_process.EXIT_CRASHED == 1
+    received = [m for m in received if not isinstance(m, Heartbeat)]  # beats come while it starts, too
     assert isinstance(received[0], CoreReady)
     failed = [m for m in received if isinstance(m, CoreFailed)]
     assert len(failed) == 1 and failed[0].error_type == "RuntimeError", received
