@@ -47,3 +47,12 @@ class StageReport(msgspec.Struct, frozen=True, kw_only=True):
     error: str = ""
     busy_s: float = 0.0
     """Seconds this stage spent running steps (the rest of its time it waited: the bubbles)."""
+    beat: bool = False
+    """A liveness beat (every BEAT_S from a thread of its own), not an answer to a command."""
+
+
+BEAT_S = 0.5
+"""How often a stage beats; the engine core calls one silent for HUNG_S hung."""
+HUNG_S = 2.0
+"""Below the frontend's 3 s core heartbeat timeout: the core, blocked on the stage meanwhile,
+names the stage before the frontend gives up on the core."""

@@ -31,7 +31,7 @@ from ..platform import parse_dtype
 from ..runner.stage_runner import HiddenLink, StageRunner, StageSlice, split_layers
 from .check import check
 from .speculation import build_speculator, check_speculator
-from .stage_messages import Digest, StageBootstrap, StageCommand, StageReport, Stop
+from .stage_messages import BEAT_S, Digest, StageBootstrap, StageCommand, StageReport, Stop
 
 
 def _watch_parent(parent: int) -> None:
@@ -120,6 +120,22 @@ class Stage:
                            busy_s=self.busy_s)
 
 
+def _beat(ctx: zmq.Context[Any], address: str, rank: int) -> None:
+    """Beats from a socket of its own while the process runs: a stage that stops (SIGSTOP, a
+    frozen host) falls silent, while one that waits on a dead peer still beats and the peer is
+    the one named."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    beat = msgspec.msgpack.encode(StageReport(rank=rank, beat=True))
+    while True:
+        try:
+            sock.send(beat, zmq.NOBLOCK)
+        except zmq.ZMQError:  # the core is gone or not reading yet: the next beat tries again
+            pass
+        time.sleep(BEAT_S)
+
+
 def main() -> None:
     boot = msgspec.json.decode(sys.stdin.buffer.read(), type=StageBootstrap)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
@@ -136,6 +152,7 @@ def main() -> None:
     reports.setsockopt(zmq.LINGER, 2000)
     reports.connect(boot.reports)
     decoder = msgspec.msgpack.Decoder(StageCommand)
+    threading.Thread(target=_beat, args=(ctx, boot.reports, rank), daemon=True).start()
     try:
         stage = Stage(boot, rank, world)
     except Exception as e:

@@ -5,7 +5,8 @@ Stages join their torch.distributed group through env:// (MASTER_ADDR, MASTER_PO
 WORLD_SIZE), so the stage code is what `torchrun` would run. The core talks to them over
 ZeroMQ: a PUSH socket per stage for commands, one PULL for their reports, and the zmq transport
 plugin for the token frames. While it waits for a frame it watches the stage processes: one that
-exits fails the step with EngineDeadError naming it, and `close` leaves no stage behind.
+exits, or whose beats stop for HUNG_S, fails the step with EngineDeadError naming it, and
+`close` leaves no stage behind.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ..kernel.frame import StepFrame, StepResult
 from ..kernel.kv_plan import KvPlan
 from ..kernel.token_frames import frame_meta, meta_digest, result_from_frame
 from .check import Checked
-from .stage_messages import Digest, RunStep, StageBootstrap, StageReport, Stop
+from .stage_messages import HUNG_S, Digest, RunStep, StageBootstrap, StageReport, Stop
 
 POLL_S = 0.1
 """How often a wait for a frame looks at the stage processes (a dead one is seen within this)."""
@@ -109,6 +110,12 @@ class Pipeline:
         self.digest = hashlib.sha256()
         self.lock = threading.Lock()
         self.last_reports: list[StageReport] = []
+        self.report_lock = threading.Lock()
+        self.stash: list[StageReport] = []
+        """Answers read while looking for beats, kept for `_reports`."""
+        self.hung = False
+        self.last_beat: list[float] | None = None
+        """Per stage, when it last said anything; None until every stage is ready."""
         """The command sockets are shared by the runner thread (steps) and callers of `digests`."""
         """The core's own digest of every frame's metadata, as the stages compute theirs."""
         try:
@@ -116,6 +123,7 @@ class Pipeline:
         except BaseException:
             self.close()
             raise
+        self.last_beat = [time.monotonic()] * n
         self.log.info("pipeline_ready", stages=n, pids=[p.pid for p in self.procs],
                       steps=[r.num_steps for r in ready])
 
@@ -124,18 +132,42 @@ class Pipeline:
             code = p.poll()
             if code is not None:
                 raise EngineDeadError(f"pipeline stage {i} (pid {p.pid}) exited with code {code}")
+        if self.last_beat is None:
+            return
+        self._drain(0)
+        now = time.monotonic()
+        for i, p in enumerate(self.procs):
+            if now - self.last_beat[i] > HUNG_S:
+                self.hung = True
+                raise EngineDeadError(f"pipeline stage {i} (pid {p.pid}) stopped answering "
+                                      f"(no beat for {now - self.last_beat[i]:.1f} s)")
+
+    def _drain(self, timeout_ms: int) -> None:
+        """Reads what the stages sent (waiting up to timeout_ms for the first): beats update
+        `last_beat`, answers go to `stash`."""
+        with self.report_lock:
+            while self.reports.poll(timeout_ms):
+                timeout_ms = 0
+                report = msgspec.msgpack.decode(self.reports.recv(), type=StageReport)
+                if self.last_beat is not None and 0 <= report.rank < len(self.last_beat):
+                    self.last_beat[report.rank] = time.monotonic()
+                if not report.beat:
+                    self.stash.append(report)
 
     def _reports(self, n: int, timeout_s: float) -> list[StageReport]:
         """One report from each stage, by rank; EngineDeadError if a stage dies or fails first."""
         got: dict[int, StageReport] = {}
         deadline = time.monotonic() + timeout_s
         while len(got) < n:
-            if self.reports.poll(int(POLL_S * 1000)):
-                report = msgspec.msgpack.decode(self.reports.recv(), type=StageReport)
+            self._drain(int(POLL_S * 1000))
+            with self.report_lock:
+                answers, self.stash = self.stash, []
+            for report in answers:
                 if report.error:
                     raise EngineDeadError(f"pipeline stage {report.rank} failed: {report.error}")
                 got[report.rank] = report
-                continue
+            if len(got) == n:
+                break
             self.check_alive()
             if time.monotonic() > deadline:
                 raise EngineDeadError(f"pipeline stages {sorted(set(range(n)) - set(got))} did not answer "
@@ -195,8 +227,8 @@ class Pipeline:
                 self._send(Stop(), check=False)
         except zmq.ZMQError:
             pass
-        # A stage that died leaves its peers blocked on it: no grace then, they are killed at once.
-        grace = 0.0 if any(p.poll() is not None for p in self.procs) else STOP_WAIT_S
+        # A stage that died or hung leaves its peers blocked on it: no grace then, they are killed at once.
+        grace = 0.0 if self.hung or any(p.poll() is not None for p in self.procs) else STOP_WAIT_S
         deadline = time.monotonic() + grace
         for p in self.procs:
             try:

@@ -1,5 +1,6 @@
-"""Pipeline faults: a killed stage fails every pending request with EngineDeadError naming it
-within 5 s and leaves no process behind; bad pipeline values fail before any weight loads."""
+"""Pipeline faults: a killed or stopped (SIGSTOP: no beats) stage fails every pending request
+with EngineDeadError naming it within 5 s and leaves no process behind; bad pipeline values
+fail before any weight loads."""
 
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ def children(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
-async def test_killed_stage_fails_every_request_naming_it() -> None:
+@pytest.mark.parametrize(("sig", "said"), [(signal.SIGKILL, "exited with code"),
+                                           (signal.SIGSTOP, "stopped answering")], ids=["killed", "stopped"])
+async def test_killed_or_stopped_stage_fails_every_request_naming_it(sig: int, said: str) -> None:
     config = EngineConfig(platform="cpu", max_model_len=512, max_num_seqs=4, pipeline_parallel_size=2)
     engine = AsyncEngine(config)
     await engine.__aenter__()
@@ -64,11 +67,11 @@ async def test_killed_stage_fails_every_request_naming_it() -> None:
                     tg.start_soon(one, i)
                 await started.wait()
                 await anyio.sleep(0.3)
-                os.kill(stages[1], signal.SIGKILL)
+                os.kill(stages[1], sig)
                 killed_at.append(time.monotonic())
         for _i, (err, when) in results.items():
             assert isinstance(err, EngineDeadError), err
-            assert "pipeline stage 1" in str(err)
+            assert "pipeline stage 1" in str(err) and said in str(err), err
             assert when - killed_at[0] < 5.0
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline and not all(exited(p) for p in [*stages, core_pid]):
