@@ -76,12 +76,15 @@ def test_a_trained_drafter_predicts_its_target_and_changes_no_token(method, data
     # An untrained drafter accepts next to nothing here; one that learned the target's answers
     # (and is served the way it was trained) accepts most of its drafts.
     assert spec["mean_acceptance_length"] > 2.0, spec
-    # The fused kernels a GPU platform switches on (run here by Triton's interpreter) draft the
-    # same tokens as the torch layers they replace.
+    # The fused kernels a GPU platform switches on (run here by Triton's interpreter, slowly: on
+    # a few prompts) draft the same tokens as the torch layers they replace.
+    few = prompts[:3]
+    torch_layers = core_for(method, num_speculative_tokens=K[method], draft_model=str(out))
+    assert run_to_completion(torch_layers, few, GREEDY) == plain[:3]
     fused = core_for(method, num_speculative_tokens=K[method], draft_model=str(out))
     use_fused_kernels(fused.speculator.module)
-    assert run_to_completion(fused, prompts, GREEDY) == plain
-    assert fused.stats()["spec"]["acceptance_per_position"] == spec["acceptance_per_position"]
+    assert run_to_completion(fused, few, GREEDY) == plain[:3]
+    assert fused.stats()["spec"]["acceptance_per_position"] == torch_layers.stats()["spec"]["acceptance_per_position"]
 
 
 def test_training_resumes_where_it_stopped(data, tmp_path) -> None:  # type: ignore[no-untyped-def]
