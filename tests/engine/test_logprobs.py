@@ -92,8 +92,8 @@ async def test_speculation_leaves_logprobs_unchanged() -> None:
             assert stats["spec"]["num_accepted_tokens"] > 8, stats  # drafts were verified and kept: a real test
     for (tokens, plain), (spec_tokens, spec) in zip(results[None], results["ngram"], strict=True):
         assert spec_tokens == tokens
-        torch.testing.assert_close(torch.tensor([lp.logprob for lp in spec]), torch.tensor([lp.logprob for lp in plain]),
-                                   rtol=0, atol=1e-4)
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in spec]),
+                                   torch.tensor([lp.logprob for lp in plain]), rtol=0, atol=1e-4)
         torch.testing.assert_close(torch.tensor([lp.top_logprobs for lp in spec]),
                                    torch.tensor([lp.top_logprobs for lp in plain]), rtol=0, atol=1e-4)
 
