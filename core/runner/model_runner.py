@@ -436,13 +436,12 @@ class ModelRunner:
             packed = torch.cat([packed, out.drafts[:n]], dim=1)
             copies = 1
         host, event = packed.clone(), None
-        lp_host = None if out.logprobs is None or out.logprob_ids is None else (out.logprobs, out.logprob_ids)
+        lp_host = [] if out.logprobs is None or out.logprob_ids is None else [out.logprobs, out.logprob_ids]
         if self.device.type != "cpu":  # copy into pinned memory behind an event; wait only in finish()
             host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True)
             host.copy_(packed, non_blocking=True)
-            if lp_host is not None:
-                lp_host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                                for t in lp_host)  # type: ignore[assignment]
+            lp_host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                       for t in lp_host]
             event = torch.Event(self.device)
             event.record()
         next_k = out.drafts.shape[1] if drafted and out.drafts is not None else 0
@@ -452,8 +451,8 @@ class ModelRunner:
             if event is not None:
                 event.synchronize()
             values = host.tolist()
-            lp_values, lp_ids = ([], []) if lp_host is None else (lp_host[0].tolist(), lp_host[1].tolist())
-            row_logprobs = dict(zip(asked, zip(lp_values, lp_ids, strict=True), strict=True)) if lp_values else {}
+            row_logprobs = dict(zip(asked, zip(lp_host[0].tolist(), lp_host[1].tolist(), strict=True),
+                                    strict=True)) if lp_host else {}
             result_rows = []
             for i, (r, v) in enumerate(zip(rows, values, strict=True)):
                 if r.sampling is None:

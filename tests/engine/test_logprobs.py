@@ -8,6 +8,7 @@ from __future__ import annotations
 import anyio
 import pytest
 import torch
+from msgspec.structs import replace
 
 from speckernel import AsyncEngine, EngineConfig, SamplingParams
 from speckernel.errors import InvalidSamplingParamsError
@@ -87,6 +88,8 @@ async def test_speculation_leaves_logprobs_unchanged() -> None:
                               num_speculative_tokens=4)
         async with AsyncEngine(config) as engine:
             results[speculator] = [await run(engine, REPEATS, p) for p in (params, seeded)]
+            if speculator is not None:
+                await batched_like_solo(engine)
             stats = await engine.stats()
         if speculator is not None:
             assert stats["spec"]["num_accepted_tokens"] > 8, stats  # drafts were verified and kept: a real test
@@ -96,6 +99,32 @@ async def test_speculation_leaves_logprobs_unchanged() -> None:
                                    torch.tensor([lp.logprob for lp in plain]), rtol=0, atol=1e-4)
         torch.testing.assert_close(torch.tensor([lp.top_logprobs for lp in spec]),
                                    torch.tensor([lp.top_logprobs for lp in plain]), rtol=0, atol=1e-4)
+
+
+async def batched_like_solo(engine: AsyncEngine) -> None:
+    """Rows that ask for logprobs share steps with rows that do not (and with rows that ask for
+    fewer alternatives): each gets what it gets alone, and only the rows that asked get logprobs."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    runs = [(REPEATS, replace(params, logprobs=TOP)), (PROMPTS[0], replace(params, logprobs=1)), (REPEATS, params)]
+    solo = [await run(engine, prompt, p) for prompt, p in runs[:2]]
+    got: dict[int, tuple[list[int], list[TokenLogprobs] | None]] = {}
+
+    async def one(i: int, prompt: str, p: SamplingParams) -> None:
+        outs = [out async for out in engine.generate(prompt, p)]
+        got[i] = outs[-1].token_ids, None if p.logprobs is None else [lp for o in outs for lp in o.logprobs or ()]
+        assert p.logprobs is not None or all(o.logprobs is None for o in outs)
+
+    with anyio.fail_after(300):
+        async with anyio.create_task_group() as tg:
+            for i, (prompt, p) in enumerate(runs):
+                tg.start_soon(one, i, prompt, p)
+    assert got[2] == (solo[0][0], None)
+    for i, (tokens, logprobs) in enumerate(solo):
+        assert got[i][0] == tokens
+        batched = got[i][1]
+        assert batched is not None and [len(lp.top_ids) for lp in batched] == [runs[i][1].logprobs] * len(tokens)
+        torch.testing.assert_close(torch.tensor([[lp.logprob, *lp.top_logprobs] for lp in batched]),
+                                   torch.tensor([[lp.logprob, *lp.top_logprobs] for lp in logprobs]), rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("value", [-1, MAX_LOGPROBS + 1, True, 1.0, "3"])
