@@ -72,6 +72,10 @@ async def test_logprobs_equal_a_plain_forward_pass(hf_model, tokenizer) -> None:
             assert all(lp.top_ids[0] == t for t, lp in zip(tokens, logprobs, strict=True))  # greedy: the top token
             tokens, logprobs = await run(engine, prompt, sampled)
             check_against(reference(hf_model, ids, tokens), tokens, logprobs, 2)
+        # A stop string cuts tokens off: the logprobs go with the tokens that remain, delta by delta.
+        tokens, logprobs = await run(engine, REPEATS, greedy)
+        cut, cut_logprobs = await run(engine, REPEATS, replace(greedy, stop=("five",)))
+        assert 0 < len(cut) < len(tokens) and cut == tokens[: len(cut)] and cut_logprobs == logprobs[: len(cut)]
         tokens, logprobs = await run(engine, PROMPTS[0], SamplingParams(max_tokens=4, temperature=0, logprobs=0))
         assert all(lp.top_ids == [] and lp.top_logprobs == [] for lp in logprobs)
         outs = [out async for out in engine.generate(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0))]
