@@ -21,6 +21,16 @@ class Timing(msgspec.Struct, kw_only=True):
         return None if self.finished is None else self.finished - self.arrival
 
 
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One output token's raw log-probability and the most likely tokens at its position
+    (`SamplingParams.logprobs` of them, most likely first): the model's own log_softmax, before
+    penalties, temperature, top-k/top-p and grammar."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class RequestOutput(msgspec.Struct, kw_only=True):
     request_id: str
     delta_text: str
@@ -39,3 +49,5 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     timing: Timing | None = None
     stats: dict[str, Any] | None = None
     """Speculation counters of this request, on the final output."""
+    logprobs: list[TokenLogprobs] | None = None
+    """One per delta_token_ids, when the request asked for logprobs (`SamplingParams.logprobs`)."""

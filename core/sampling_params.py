@@ -37,6 +37,11 @@ RepetitionPenalty = Annotated[float, msgspec.Meta(ge=0.01, le=100.0)]
 AdditivePenalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 """OpenAI's range for frequency_penalty and presence_penalty; 0 is off."""
 StopString = Annotated[str, msgspec.Meta(min_length=1)]
+MAX_LOGPROBS = 20
+"""OpenAI's bound on top_logprobs: the most alternatives one output token reports."""
+LogprobCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
+NO_PIPELINE_LOGPROBS = ("logprobs: not available with pipeline_parallel_size > 1 (the last stage sends the "
+                        "engine its tokens alone)")
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -207,6 +212,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
     """OpenAI's: subtracted from a token's logit once per time it occurs in the output so far."""
     presence_penalty: AdditivePenalty = 0.0
     """OpenAI's: subtracted from a token's logit once if it occurs in the output so far."""
+    logprobs: LogprobCount | None = None
+    """None: no logprobs. N: each output token carries its log-probability and the N most likely
+    tokens with theirs (0: the chosen token's alone). They are the model's raw log-probabilities
+    (log_softmax of the logits, before penalties, temperature, top-k/top-p and grammar), as vLLM
+    reports by default: the same whatever the sampling, and what a speculative step's
+    verification computes at each position, so speculation never changes them."""
 
     @property
     def greedy(self) -> bool:
@@ -278,6 +289,8 @@ class RowSampling(msgspec.Struct, frozen=True, array_like=True):
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logprobs: int = -1
+    """Top alternatives this row reports with each output token's logprob; -1: no logprobs."""
 
     @property
     def penalized(self) -> bool:

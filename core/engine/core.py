@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import log, registry
 from ..config import EngineConfig
-from ..errors import InvalidInputError, PromptTooLongError
+from ..errors import InvalidInputError, InvalidSamplingParamsError, PromptTooLongError
 from ..kernel.block_manager import BlockManager
 from ..kernel.frame import StepFrame, StepResult
 from ..kernel.grammars import Grammars
@@ -37,6 +37,7 @@ from ..platform import parse_dtype
 from ..plugin import Speculator, SpeculatorCapabilities
 from ..runner.model_runner import ModelRunner, PendingStep
 from ..runner.step_graphs import StepGraphs, prefill_buckets, warm_eager
+from ..sampling_params import NO_PIPELINE_LOGPROBS
 from ..wire.messages import (
     AbortRequests,
     AddRequest,
@@ -247,6 +248,8 @@ class EngineCore:
             if any(not 0 <= t < self.model_cfg.vocab_size for t in prompt):
                 raise InvalidInputError(f"prompt token ids must lie in [0, {self.model_cfg.vocab_size})")
             params = msg.params.validate(self.model_cfg.vocab_size)
+            if params.logprobs is not None and self.config.pipeline_parallel_size > 1:
+                raise InvalidSamplingParamsError(NO_PIPELINE_LOGPROBS)
             if msg.key in self.scheduler.requests:
                 raise InvalidInputError(f"request key {msg.key} is already running")
         except InvalidInputError as e:

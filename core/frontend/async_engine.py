@@ -36,8 +36,8 @@ from ..config import EngineConfig
 from ..engine.check import check
 from ..models.checkpoint import load_tokenizer
 from ..models.tokenizer import Tokenizer
-from ..outputs import RequestOutput, Timing
-from ..sampling_params import SamplingParams, prompt_token_ids, sampling_params
+from ..outputs import RequestOutput, Timing, TokenLogprobs
+from ..sampling_params import NO_PIPELINE_LOGPROBS, SamplingParams, prompt_token_ids, sampling_params
 from ..wire.messages import (
     AbortRequests,
     AddRequest,
@@ -236,6 +236,8 @@ class AsyncEngine:
         client = self._live_client()
         # Everything the core could not take fails here, typed, before anything is sent.
         params = sampling_params(params, self.info.vocab_size)
+        if params.logprobs is not None and self.config.pipeline_parallel_size > 1:
+            raise errors.InvalidSamplingParamsError(NO_PIPELINE_LOGPROBS)
         prompt_ids = await self.tokenize(prompt) if isinstance(prompt, str) \
             else prompt_token_ids(prompt, self.info.vocab_size)
         if not prompt_ids:
@@ -250,6 +252,9 @@ class AsyncEngine:
         if req_id in self._live_ids:
             raise errors.InvalidInputError(f"request id {req_id!r} is already running")
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        logprobs: list[TokenLogprobs] = []
+        """Every token's logprobs so far; each output carries those of its delta_token_ids."""
+        released = 0
         timing = Timing(arrival=time.monotonic())
         key = next(self._keys)
         send, recv = anyio.create_memory_object_stream[RequestDelta | BaseException](math.inf)
@@ -266,6 +271,8 @@ class AsyncEngine:
                 now = time.monotonic()
                 if timing.first_token is None and item.new_token_ids:
                     timing.first_token = now
+                if item.logprobs is not None:
+                    logprobs.extend(item.logprobs)
                 step = detok.add(item.new_token_ids, item.finish_reason)
                 if item.finish_reason is not None:
                     self._forget(key)
@@ -278,7 +285,9 @@ class AsyncEngine:
                     text=detok.text, token_ids=detok.token_ids, prompt_token_ids=prompt_ids,
                     finished=step.finish_reason is not None, finish_reason=step.finish_reason,
                     timing=timing, stats=item.stats,
+                    logprobs=None if params.logprobs is None else logprobs[released : released + len(step.token_ids)],
                 )
+                released += len(step.token_ids)
                 if step.finish_reason is not None:
                     return
         finally:

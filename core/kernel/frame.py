@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import msgspec
 
+from ..outputs import TokenLogprobs
 from ..sampling_params import RowSampling
 
 
@@ -94,6 +95,8 @@ class RowResult(msgspec.Struct, frozen=True, array_like=True):
     """Drafts for the next step that stay on the device."""
     error: str | None = None
     """This row failed on the device: its request fails, the rest of the frame goes on."""
+    logprobs: list[TokenLogprobs] | None = None
+    """One per sampled token, for a row whose request asked for logprobs."""
 
 
 class StepResult(msgspec.Struct, frozen=True, array_like=True):

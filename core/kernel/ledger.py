@@ -74,9 +74,10 @@ class Ledger:
                 if reason is not None:
                     break
             self.num_generated_tokens += len(new)
+            logprobs = None if row.logprobs is None else row.logprobs[: len(new)]
             if reason is not None:
                 self.scheduler.finish(req, reason)
-                deltas.append(RequestDelta(req.key, new, reason, stats=req.spec.summary()))
+                deltas.append(RequestDelta(req.key, new, reason, stats=req.spec.summary(), logprobs=logprobs))
                 continue
             if req.in_flight:
                 pass  # a run-ahead successor in flight already took (or skipped) these drafts
@@ -85,5 +86,5 @@ class Ledger:
             else:
                 req.num_draft_slots = row.num_next_drafts
             if new:
-                deltas.append(RequestDelta(req.key, new))
+                deltas.append(RequestDelta(req.key, new, logprobs=logprobs))
         return deltas

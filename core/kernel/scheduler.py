@@ -193,7 +193,8 @@ class Scheduler:
         if final:
             sampling = RowSampling(p.temperature, p.top_k, p.top_p, req.seed,
                                    len(req.output_token_ids) + req.num_placeholders + req.num_unverified,
-                                   p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+                                   p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
+                                   -1 if p.logprobs is None else p.logprobs)
             req.num_placeholders += 1
             req.num_unverified += len(drafts) + slots
         return ScheduledRow(req.key, req.generation, req.slot, start, req.token_ids(start, start + n),

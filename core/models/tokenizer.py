@@ -10,6 +10,7 @@ as before, where content may spell control tokens.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -142,6 +143,15 @@ class Tokenizer:
                 ids += contents[j].ids
         return ids
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a token may hold part of a character): byte-level BPE
+        pieces mapped back through GPT-2's byte alphabet, other pieces as UTF-8 ('▁' a space)."""
+        piece = self.token(token_id)
+        table = _byte_decoder()
+        if piece and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return piece.replace("\u2581", " ").encode("utf-8")
+
     def spells_special(self, text: str) -> bool:
         """Whether text holds the text of a special token (a control token such as <|im_end|>)."""
         if self._special is None:
@@ -204,6 +214,14 @@ class Tokenizer:
         tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"<\d+>"), behavior="isolated")
         tok.decoder = decoders.Fuse()
         return cls(tok, chat_template=None, bos_token_id=None, eos_token_ids=(), add_bos=False)
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the printable character each byte is spelled with."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    spelled = kept + [256 + n for n in range(256 - len(kept))]
+    return {chr(c): b for c, b in zip(spelled, kept + [b for b in range(256) if b not in kept], strict=True)}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

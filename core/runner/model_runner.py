@@ -36,10 +36,11 @@ from ..attention import AttentionBackend, AttentionMetadata
 from ..kernel.frame import RowResult, ScheduledRow, StepFrame, StepResult
 from ..models.llama import LlamaModel
 from ..models.paged import new_kv_cache
+from ..outputs import TokenLogprobs
 from ..platform import HostGate
 from ..plugin import Drafts, Speculator, TargetModel, TargetStates
 from .penalties import count_history
-from .sampler import SamplingTensors, sample_on_device
+from .sampler import SamplingTensors, sample_on_device, token_logprobs
 from .step_graphs import StepGraphs
 from .step_shape import DeviceOutputs, StepShape
 from .token_pool import TokenPool
@@ -58,6 +59,12 @@ def confirmed_lens(seq_lens: torch.Tensor, num_drafts: torch.Tensor, samples: to
     """Each row's confirmed tokens after its step, on the device: the context it attended minus
     its drafts, plus the accepted ones and the bonus token where it sampled."""
     return seq_lens - num_drafts + torch.where(samples, accepted + 1, 0)
+
+
+def logprobs_of(values: list[list[float]], ids: list[list[int]], count: int, top: int) -> list[TokenLogprobs]:
+    """One row's first `count` output positions as TokenLogprobs, each with its `top` alternatives
+    (the step computed as many as its most demanding row asked for)."""
+    return [TokenLogprobs(v[0], t[:top], v[1 : 1 + top]) for v, t in zip(values[:count], ids[:count], strict=True)]
 
 
 class PendingDrafts(NamedTuple):
@@ -202,7 +209,7 @@ class ModelRunner:
                          any_filter=any(s.top_k > 0 or s.top_p < 1.0 for s in sampling),
                          any_penalty=any(s.penalized for s in sampling),
                          decode_like=all(r.sampling is not None and r.num_tokens == 1 + r.num_drafts for r in rows),
-                         propose_width=propose)
+                         propose_width=propose, logprobs=max((s.logprobs for s in sampling), default=-1))
 
     def plan(self, frame: StepFrame, padded: StepShape | None) -> AttentionMetadata:
         """Packs the step's plan (padded to a captured shape, if given) and sends it to the device
@@ -257,11 +264,13 @@ class ModelRunner:
             n = tail.numel() // 3
             self.pool.tokens[tail[:n], tail[n : 2 * n]] = tail[2 * n :]
 
-    def device_step(self, meta: AttentionMetadata, shape: StepShape,
-                    bitmask: torch.Tensor | None = None) -> DeviceOutputs:
+    def device_step(self, meta: AttentionMetadata, shape: StepShape, bitmask: torch.Tensor | None = None,
+                    logprob_rows: torch.Tensor | None = None) -> DeviceOutputs:
         """Forward, then sample or verify, then the outputs into the token buffer: all on the
         device, with shapes fixed by `shape` (a graph captures exactly this). bitmask [R, width
-        + 1, W]: the grammar's allowed tokens per sampled position (structured output, eager)."""
+        + 1, W]: the grammar's allowed tokens per sampled position (structured output, eager);
+        logprob_rows [L]: the rows whose logprobs are computed (shape.logprobs top alternatives,
+        eager), from the same logits the step sampled or verified with, at each position."""
         assert meta.row_extra is not None
         extra = meta.row_extra
         if self.run_ahead:
@@ -283,8 +292,10 @@ class ModelRunner:
         last = (meta.query_start[1:] - 1).clamp(min=0)
         width = shape.verify_width
         if width == 0:
-            out = sample_on_device(self.model.logits(hidden[last]), st, use_triton=self.use_triton,
+            logits = self.model.logits(hidden[last])
+            out = sample_on_device(logits, st, use_triton=self.use_triton,
                                    bitmask=None if bitmask is None else bitmask[:, 0], counts=counts)[:, None]
+            logits = logits[:, None]
             nacc = torch.zeros_like(slot)
         else:
             cols = torch.arange(width + 1, device=self.device)
@@ -314,7 +325,12 @@ class ModelRunner:
                     drafts = torch.full((len(slot), shape.propose_width), -1, dtype=torch.int64, device=self.device)
                     self.pool.write(slot, torch.where(samples, seq_lens, self.pool.width - 1), drafts)
         packed = torch.cat([out, nacc[:, None].to(out.dtype)], dim=1)
-        return DeviceOutputs(packed, hidden, captured, drafts)
+        logprobs = logprob_ids = None
+        if logprob_rows is not None and shape.logprobs >= 0:
+            # Position j of a verifying row holds the target's logits for its output token j, the
+            # ones plain decoding computes for that token: speculation leaves the logprobs as they were.
+            logprobs, logprob_ids = token_logprobs(logits[logprob_rows], out[logprob_rows], shape.logprobs)
+        return DeviceOutputs(packed, hidden, captured, drafts, logprobs, logprob_ids)
 
     def input_ids(self, meta: AttentionMetadata) -> torch.Tensor:
         """The step's input tokens, gathered from the token buffer. -1 (a draft slot a
@@ -395,11 +411,13 @@ class ModelRunner:
         meta = self.plan(frame, padded)
         self.resolve_drafts(frame)
         self.write_host_tokens(meta)
+        asked = [i for i, r in enumerate(rows) if r.sampling is not None and r.sampling.logprobs >= 0]
         if padded is not None:
             assert self.graphs is not None
             out = self.graphs.replay(padded)
         else:
-            out = self.device_step(meta, shape, bitmask)
+            logprob_rows = torch.tensor(asked, dtype=torch.int64, device=self.device) if asked else None
+            out = self.device_step(meta, shape, bitmask, logprob_rows)
         for r in rows:
             self.pool.completed(r.slot, r.generation, frame.step_id)
         n = len(rows)
@@ -418,9 +436,12 @@ class ModelRunner:
             packed = torch.cat([packed, out.drafts[:n]], dim=1)
             copies = 1
         host, event = packed.clone(), None
+        lp_host = [] if out.logprobs is None or out.logprob_ids is None else [out.logprobs, out.logprob_ids]
         if self.device.type != "cpu":  # copy into pinned memory behind an event; wait only in finish()
             host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True)
             host.copy_(packed, non_blocking=True)
+            lp_host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                       for t in lp_host]
             event = torch.Event(self.device)
             event.record()
         next_k = out.drafts.shape[1] if drafted and out.drafts is not None else 0
@@ -430,8 +451,10 @@ class ModelRunner:
             if event is not None:
                 event.synchronize()
             values = host.tolist()
+            row_logprobs = dict(zip(asked, zip(lp_host[0].tolist(), lp_host[1].tolist(), strict=True),
+                                    strict=True)) if lp_host else {}
             result_rows = []
-            for r, v in zip(rows, values, strict=True):
+            for i, (r, v) in enumerate(zip(rows, values, strict=True)):
                 if r.sampling is None:
                     result_rows.append(RowResult(r.key, r.generation, [], r.num_drafts, 0))
                     continue
@@ -441,6 +464,10 @@ class ModelRunner:
                     drafted_ids = v[k1 + 1 :]
                     cut = next((m for m, tok in enumerate(drafted_ids) if tok < 0), len(drafted_ids))
                     row = msgspec.structs.replace(row, next_draft_ids=drafted_ids[:cut])
+                if i in row_logprobs:
+                    assert r.sampling is not None
+                    row = msgspec.structs.replace(row, logprobs=logprobs_of(*row_logprobs[i], len(row.sampled),
+                                                                            r.sampling.logprobs))
                 result_rows.append(row)
             return StepResult(frame.step_id, result_rows, k0=frame.skip_drafts and self.speculator is not None,
                               num_host_draft_copies=copies, speculator_error=spec_error)

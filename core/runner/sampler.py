@@ -357,6 +357,18 @@ def sample_on_device(logits: torch.Tensor, st: SamplingTensors | Sequence[RowSam
     return torch.where(st.greedy, greedy, race(probs_on_device(logits, st), st, use_triton))
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V] raw model logits, tokens [...] the tokens chosen there (-1: none, any
+    value comes back) -> ([..., 1 + n] float32: the chosen token's logprob, then the n largest;
+    [..., n] int64: their ids). Raw, as vLLM reports by default: log_softmax of the model's
+    logits, before penalties, temperature, top-k/top-p and grammar, so the numbers do not depend
+    on how the token was drawn, and a verified position gives what a plain decode step gives."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, tokens.clamp(min=0)[..., None])
+    top = logprobs.topk(n, dim=-1)
+    return torch.cat([chosen, top.values], dim=-1), top.indices
+
+
 def sample(logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[int]:
     """logits: [R, V], one row per sampling request; the tokens reach the host."""
     return sample_on_device(logits, rows).tolist()

@@ -129,7 +129,7 @@ class StepGraphs:
 
     def padded(self, shape: StepShape) -> StepShape | None:
         """The captured shape that serves this step, or None (run it eagerly)."""
-        if not self.graphs or shape.any_penalty:  # captured graphs skip the counting
+        if not self.graphs or shape.any_penalty or shape.logprobs >= 0:  # graphs skip counting and logprobs
             return None
         any_filter = shape.any_filter and not shape.all_greedy
         if shape.decode_like:

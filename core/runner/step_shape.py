@@ -30,6 +30,9 @@ class StepShape:
     any_penalty: bool = False
     """Some row has a repetition, frequency or presence penalty: the step counts tokens (eagerly:
     no graph is captured for it)."""
+    logprobs: int = -1
+    """The most top alternatives a row of this step reports (-1: no row asked for logprobs). A
+    step with logprobs runs eagerly; one without runs exactly the kernels it ran before."""
 
 
 @dataclass
@@ -42,6 +45,11 @@ class DeviceOutputs:
     captured: dict[int, torch.Tensor]
     drafts: torch.Tensor | None = None
     """[R, propose_width] what a device-only speculator proposed (-1 ends a row), already in the buffer."""
+    logprobs: torch.Tensor | None = None
+    """[L, W + 1, 1 + N] float32 for the L rows that asked: each output position's chosen-token
+    logprob, then its top N (`sampler.token_logprobs`); None when no row asked."""
+    logprob_ids: torch.Tensor | None = None
+    """[L, W + 1, N] int64: the token ids of those top N."""
 
 
 class StepDevice(Protocol):

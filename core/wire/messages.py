@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 
 from ..config import EngineConfig
+from ..outputs import TokenLogprobs
 from ..sampling_params import SamplingParams
 
 WIRE = {"array_like": True, "omit_defaults": True, "gc": False, "tag": True}
@@ -85,6 +86,8 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     """Set when the request failed inside the engine (finish_reason is then 'error')."""
     stats: dict[str, Any] | None = None
     """Per-request speculation counters, on the final delta."""
+    logprobs: list[TokenLogprobs] | None = None
+    """One per new token, for a request that asked for logprobs."""
 
 
 class CoreOutputs(msgspec.Struct, **WIRE):

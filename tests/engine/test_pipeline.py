@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 from speckernel.config import EngineConfig
 from speckernel.engine.core import EngineCore
-from speckernel.sampling_params import SamplingParams
+from speckernel.sampling_params import NO_PIPELINE_LOGPROBS, SamplingParams
+from speckernel.wire.messages import AddRequest
 from tests.conftest import PROMPTS
 from tests.engine.pipeline_util import run_loop
 
@@ -161,3 +163,16 @@ def test_pipeline_penalties_match_single_stage(prompts: list[list[int]]) -> None
     got, spec, _, _ = outputs(config(2, "ngram", async_scheduling=True), prompts, PENALIZED)
     assert got == want
     assert spec["num_accepted_tokens"] == want_spec["num_accepted_tokens"]
+
+
+def test_pipeline_refuses_logprobs(prompts: list[list[int]]) -> None:
+    """The stages' token frames carry tokens alone: a request for logprobs fails at once, typed and
+    naming the field, and the engine serves the next request."""
+    core = EngineCore(config(2))
+    try:
+        refused = core.add_request(AddRequest(0, np.asarray(prompts[0]), SamplingParams(max_tokens=2, logprobs=0)))
+        assert refused is not None and refused.finish_reason == "error"
+        assert refused.error == f"InvalidSamplingParamsError: {NO_PIPELINE_LOGPROBS}"
+        assert run_loop(core, prompts[:1], GREEDY) == reference(None, False, prompts)[0][:1]
+    finally:
+        core.close()

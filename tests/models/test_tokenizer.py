@@ -52,3 +52,15 @@ def test_chat_template_matches_hf(tokenizer, hf_tokenizer) -> None:  # type: ign
         ref = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert ours == ref
         assert ours.endswith("<|im_start|>assistant\n")
+
+
+def test_token_bytes_spell_the_text_byte_for_byte(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """What logprobs report as a token's `bytes`: laid end to end they are the text's UTF-8, even
+    where a token holds part of a character."""
+    text = "naïve café — 東京タワー 🚀 über, ok?\n\tdone"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.token_bytes(t) for t in ids]
+    assert b"".join(pieces) == text.encode("utf-8")
+    assert any(not p.decode("utf-8", errors="ignore") for p in pieces if p), "no token splits a character"
+    eos = tokenizer.eos_token_ids[0]
+    assert tokenizer.token_bytes(eos) == tokenizer.decode([eos], skip_special_tokens=False).encode()

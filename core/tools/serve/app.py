@@ -44,6 +44,7 @@ from .limits import (
     check_stop,
     read_body,
 )
+from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import CONTENT_TYPE, ServeMetrics
 from .protocol import (
     AssistantMessage,
@@ -470,15 +471,18 @@ class Server:
             raise
         if req.stream:
             self.open_streams += 1
-            return EventStream(self._events(gen, first, req, rid, len(ids), chat), on_close=self._stream_closed,
+            return EventStream(self._events(gen, first, req, rid, len(ids), chat, params.logprobs is not None),
+                               on_close=self._stream_closed,
                                closing=self.closing)
+        logprobs = list(first.logprobs or ()) if first is not None else []
+        """Every output's logprobs, in order: the whole answer's."""
         async with aclosing(gen):
             last = first
 
             async def rest() -> RequestOutput | None:
                 out = first
-                async for out in gen:  # noqa: B007 - the last output is the answer
-                    pass
+                async for out in gen:
+                    logprobs.extend(out.logprobs or ())
                 return out
 
             try:
@@ -490,29 +494,48 @@ class Server:
         assert last is not None
         self.metrics.finished(last.finish_reason or "stop", len(ids), last)
         usage = Usage.of(len(ids), len(last.token_ids))
+        tokenizer = engine.tokenizer
         if chat:
-            choice = ChatChoice(index=0, message=AssistantMessage(content=last.text), finish_reason=last.finish_reason)
+            choice = ChatChoice(index=0, message=AssistantMessage(content=last.text), finish_reason=last.finish_reason,
+                                logprobs=None if params.logprobs is None else
+                                chat_logprobs(tokenizer, last.token_ids, logprobs))
             return json_response(ChatCompletion(id=rid, model=self.model_name, choices=[choice], usage=usage,
                                                 created=int(time.time())))
-        text = TextChoice(index=0, text=last.text, finish_reason=last.finish_reason)
+        text = TextChoice(index=0, text=last.text, finish_reason=last.finish_reason,
+                          logprobs=None if params.logprobs is None else
+                          completion_logprobs(tokenizer, last.token_ids, logprobs))
         return json_response(Completion(id=rid, model=self.model_name, created=int(time.time()),
                                         choices=[text], usage=usage))
 
     async def _events(self, gen: AsyncIterator[RequestOutput], first: RequestOutput | None,
                       req: ChatCompletionRequest | CompletionRequest, rid: str, prompt_len: int,
-                      chat: bool) -> AsyncIterator[bytes]:
-        """SSE chunks in OpenAI's shape; leaving early (the client disconnected) aborts the request."""
+                      chat: bool, with_logprobs: bool = False) -> AsyncIterator[bytes]:
+        """SSE chunks in OpenAI's shape; leaving early (the client disconnected) aborts the request.
+        with_logprobs: each chunk carries the logprobs of the tokens behind its text."""
         created = int(time.time())
         last: RequestOutput | None = None
         outcome = "abort"
+        tokenizer = self.engine.tokenizer
+        offset = 0
+        """Completions' text_offset: where the next token's text begins."""
 
-        def chunk(text: str | None, finish: str | None, role: str | None = None) -> bytes:
+        def chunk(text: str | None, finish: str | None, role: str | None = None,
+                  out: RequestOutput | None = None) -> bytes:
+            nonlocal offset
+            lp = out.logprobs if with_logprobs and out is not None else None
+            ids = out.delta_token_ids if out is not None else []
             if chat:
                 delta = Delta(role=role, content=text)
-                return sse(ChatCompletionChunk(id=rid, model=self.model_name, created=created,
-                                               choices=[ChatChunkChoice(index=0, delta=delta, finish_reason=finish)]))
+                logprobs = None if lp is None else chat_logprobs(tokenizer, ids, lp)
+                return sse(ChatCompletionChunk(id=rid, model=self.model_name, created=created, choices=[
+                    ChatChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=logprobs)]))
+            text_lp = None
+            if lp is not None:
+                text_lp = completion_logprobs(tokenizer, ids, lp, offset)
+                offset += sum(map(len, text_lp.tokens))
             return sse(Completion(id=rid, model=self.model_name, created=created,
-                                  choices=[TextChoice(index=0, text=text or "", finish_reason=finish)]))
+                                  choices=[TextChoice(index=0, text=text or "", finish_reason=finish,
+                                                      logprobs=text_lp)]))
 
         async def outputs() -> AsyncIterator[RequestOutput]:
             if first is not None:
@@ -528,8 +551,8 @@ class Server:
                 try:
                     async for out in outputs():
                         last = out
-                        if out.delta_text:
-                            yield chunk(out.delta_text, None)
+                        if out.delta_text or (with_logprobs and out.logprobs):
+                            yield chunk(out.delta_text, None, out=out)
                         if out.finished:
                             yield chunk(None if chat else "", out.finish_reason)
                 except Exception as e:  # the core died, or the request failed, mid-stream: say so, then end

@@ -17,6 +17,7 @@ import msgspec
 
 from ...errors import InvalidInputError, InvalidSamplingParamsError
 from ...sampling_params import SamplingParams, StructuredOutput
+from .logprobs import ChatLogprobs, CompletionLogprobs
 
 # --- requests -----------------------------------------------------------------------------------
 
@@ -110,6 +111,11 @@ class _Common(msgspec.Struct, kw_only=True):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def logprobs_asked(self) -> tuple[int | None, str]:
+        """The top alternatives per token the request asks for (None: no logprobs), and the
+        field that says so."""
+        return None, "logprobs"
+
     def sampling_params(self, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
         """Validated parameters; max_tokens defaults to the room left in the context."""
         if self.n != 1:
@@ -121,15 +127,19 @@ class _Common(msgspec.Struct, kw_only=True):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         max_tokens = self.max_tokens if self.max_tokens is not None else max_model_len - prompt_len
         structured, source = self.structured()
+        logprobs, logprobs_field = self.logprobs_asked()
         params = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                 top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
                                 structured=structured, frequency_penalty=self.frequency_penalty,
-                                presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty)
+                                presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
+                                logprobs=logprobs)
         try:
             return params.validate(vocab_size)
         except InvalidSamplingParamsError as e:
             if str(e).startswith("structured"):  # a grammar that does not compile: name the field that sent it
                 raise BadRequest(f"{source}: {e}", source) from None
+            if str(e).startswith("logprobs:") and logprobs_field != "logprobs":
+                raise BadRequest(logprobs_field + str(e).removeprefix("logprobs"), logprobs_field) from None
             raise
 
 
@@ -137,6 +147,16 @@ class ChatCompletionRequest(_Common, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     """The newer name of max_tokens; either may be given."""
+    logprobs: bool | None = None
+    """Each output token's logprob (and top_logprobs alternatives) in choices[].logprobs.content."""
+    top_logprobs: int | None = None
+
+    def logprobs_asked(self) -> tuple[int | None, str]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs: needs logprobs: true", "top_logprobs")
+        if not self.logprobs:
+            return None, "logprobs"
+        return (0, "logprobs") if self.top_logprobs is None else (self.top_logprobs, "top_logprobs")
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
@@ -146,6 +166,11 @@ class ChatCompletionRequest(_Common, kw_only=True):
 class CompletionRequest(_Common, kw_only=True):
     prompt: str | list[int]
     """Text, or token ids as the OpenAI API allows."""
+    logprobs: int | None = None
+    """Top alternatives per output token (0: the chosen token's logprob alone), in choices[].logprobs."""
+
+    def logprobs_asked(self) -> tuple[int | None, str]:
+        return self.logprobs, "logprobs"
 
 
 # --- responses ----------------------------------------------------------------------------------
@@ -176,21 +201,21 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class TextChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct, kw_only=True):
