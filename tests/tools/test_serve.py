@@ -154,6 +154,10 @@ BAD = [  # (endpoint, body overrides, the param the error must name)
     ("completions", {"presence_penalty": -3}, "presence_penalty"),
     ("chat", {"repetition_penalty": 0}, "repetition_penalty"),
     ("chat", {"presence_penalty": "some"}, "presence_penalty"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("chat", {"tool_choice": "auto"}, "tool_choice"),
+    ("chat", {"functions": [{"name": "f"}]}, "functions"),
+    ("completions", {"suffix": "end"}, "suffix"),
 ]
 
 

@@ -150,6 +150,12 @@ class ChatCompletionRequest(_Common, kw_only=True):
     logprobs: bool | None = None
     """Each output token's logprob (and top_logprobs alternatives) in choices[].logprobs.content."""
     top_logprobs: int | None = None
+    tools: None = None
+    """Tool calling is not served: a request that brings tools (or the older functions) is a 400
+    naming the field, never a reply that silently ignored them."""
+    tool_choice: None = None
+    functions: None = None
+    function_call: None = None
 
     def logprobs_asked(self) -> tuple[int | None, str]:
         if self.top_logprobs is not None and not self.logprobs:
@@ -168,6 +174,8 @@ class CompletionRequest(_Common, kw_only=True):
     """Text, or token ids as the OpenAI API allows."""
     logprobs: int | None = None
     """Top alternatives per output token (0: the chosen token's logprob alone), in choices[].logprobs."""
+    suffix: None = None
+    """Insertion (text after the completion) is not served: refused, not ignored."""
 
     def logprobs_asked(self) -> tuple[int | None, str]:
         return self.logprobs, "logprobs"
