@@ -41,7 +41,7 @@ CONCURRENCY = 12
 PER_ROUND = 36
 """Well-behaved requests per round; a hostile round adds a third as many hostile ones (a quarter of it)."""
 ROUNDS = int(os.environ.get("SPECKERNEL_HOSTILE_ROUNDS", "2"))
-"""84 requests a round; SPECKERNEL_HOSTILE_ROUNDS=12 runs the full 1,008 (about 11 minutes on 2 cores)."""
+"""84 requests a round; SPECKERNEL_HOSTILE_ROUNDS=12 runs the full 1,008 (about 3 minutes on 2 cores)."""
 KINDS = ("huge_body", "huge_prompt", "too_many_stops", "longest_stops", "disconnect", "idle", "drip")
 MAX_BODY_BYTES = 8 * 2**20  # serve's default --max-body-bytes
 HUGE_BODY = json.dumps({"prompt": "x" * (MAX_BODY_BYTES + 2**20), "max_tokens": 4}).encode()
