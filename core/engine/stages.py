@@ -108,7 +108,9 @@ class Pipeline:
         self._finalizer = weakref.finalize(self, _kill, self.procs)
         self.max_rows, self.k = config.max_num_seqs, k
         self.digest = hashlib.sha256()
+        """The core's own digest of every frame's metadata, as the stages compute theirs."""
         self.lock = threading.Lock()
+        """The command sockets are shared by the runner thread (steps) and callers of `digests`."""
         self.last_reports: list[StageReport] = []
         self.report_lock = threading.Lock()
         self.stash: list[StageReport] = []
@@ -116,8 +118,6 @@ class Pipeline:
         self.hung = False
         self.last_beat: list[float] | None = None
         """Per stage, when it last said anything; None until every stage is ready."""
-        """The command sockets are shared by the runner thread (steps) and callers of `digests`."""
-        """The core's own digest of every frame's metadata, as the stages compute theirs."""
         try:
             ready = self._reports(n, config.startup_timeout_s)
         except BaseException:

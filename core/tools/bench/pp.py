@@ -17,7 +17,7 @@ import msgspec
 from ... import registry
 from ...frontend.async_engine import AsyncEngine
 from ...sampling_params import SamplingParams
-from .command import MISSING, base_config, cell, device_name, header, preamble, with_speculator
+from .command import base_config, cell, device_name, header, preamble, with_speculator
 from .streams import chat_prompts, identical, run_streams, warm_up
 
 
@@ -81,12 +81,11 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
-        mal = r["spec"].get("mean_acceptance_length")
         lines.append(
             f"| {r['speculator']} | {r['pipeline_parallel_size']} | {r['data_parallel_size']} | "
             f"{r['tokens_per_s']:.1f} | {cell(r['step_period_ms'], '.1f')} | {r['num_steps']} | "
             f"{cell(r['bubble_mean'], '.0%')} | {cell(r['bubble_max'], '.0%')} | "
-            f"{MISSING if mal is None else format(mal, '.2f')} | {r['identical_to_pp1']}/{r['num_requests']} | "
+            f"{cell(r['spec'].get('mean_acceptance_length'))} | {r['identical_to_pp1']}/{r['num_requests']} | "
             f"{r['engine_start_s']:.1f} |")
     lines += ["", "Steps and acceptance of a DP run are rank 0's. Bubbles: the share of the timed run a stage "
               "spent not running a step; PP=1 and DP runs have no stages."]
