@@ -86,6 +86,16 @@ class Platform(Protocol):
 
     def default_dtype(self) -> torch.dtype: ...
 
+    def device_count(self) -> int:
+        """Devices of this platform's kind on the host (1 for the CPU): a process per device can
+        own one; more processes than devices share them (pipeline stages on one GPU)."""
+        ...
+
+    def on_device(self, index: int) -> Platform:
+        """The same platform on device `index` of this host (a stage process takes its
+        LOCAL_RANK's device, as torchrun numbers them)."""
+        ...
+
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of the memory the KV cache is carved from."""
         ...

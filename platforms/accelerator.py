@@ -49,6 +49,14 @@ class TorchAcceleratorPlatform:
     def default_dtype(self) -> torch.dtype:
         return parse_dtype(self.capabilities.default_dtype)
 
+    def device_count(self) -> int:
+        return int(self.module().device_count())
+
+    def on_device(self, index: int) -> TorchAcceleratorPlatform:
+        if not 0 <= index < self.device_count():
+            raise ValueError(f"platform {self.name!r}: no device {index} (this host has {self.device_count()})")
+        return type(self)(index)
+
     def memory_info(self) -> tuple[int, int]:
         return self.module().mem_get_info(self.index)
 

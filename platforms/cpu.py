@@ -37,6 +37,13 @@ class CpuPlatform:
     def default_dtype(self) -> torch.dtype:
         return parse_dtype(self.capabilities.default_dtype)
 
+    def device_count(self) -> int:
+        return 1
+
+    def on_device(self, index: int) -> CpuPlatform:
+        """The host is one device whatever the index: every process shares it."""
+        return self
+
     def memory_info(self) -> tuple[int, int]:
         pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
         total = os.sysconf("SC_PHYS_PAGES") * size

@@ -27,10 +27,11 @@ from .. import log, registry
 from ..kernel.frame import StepFrame
 from ..kernel.token_frames import FrameMismatchError, frame_from_result, frame_meta, meta_digest
 from ..models.loader import load_model
-from ..platform import parse_dtype
+from ..platform import Platform, parse_dtype
 from ..runner.stage_runner import HiddenLink, StageRunner, StageSlice, split_layers
 from .check import check
 from .speculation import build_speculator, check_speculator
+from .stage_group import StageGroup, plan_group
 from .stage_messages import BEAT_S, Digest, StageBootstrap, StageCommand, StageReport, Stop
 
 
@@ -43,10 +44,9 @@ def _watch_parent(parent: int) -> None:
 
 
 class Stage:
-    def __init__(self, boot: StageBootstrap, rank: int, world: int) -> None:
+    def __init__(self, boot: StageBootstrap, rank: int, world: int, platform: Platform, plan: StageGroup) -> None:
         self.boot, self.rank, self.world = boot, rank, world
         config = boot.config
-        platform = registry.pick_platform(config.platform)
         self.device = platform.device
         dtype = parse_dtype(config.dtype) if config.dtype else platform.default_dtype()
         checked = check(config)
@@ -63,7 +63,8 @@ class Stage:
         hidden_layers = spec.caps.target_hidden_layers if spec is not None else ()
         self.k = k
         group = dist.group.WORLD
-        self.link = HiddenLink(group, rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None)
+        self.link = HiddenLink(group, rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None,
+                               host_staged=plan.host_staged)
         attention = platform.attention_backend(config.block_size, config.max_num_batched_tokens,
                                                max_rows=config.max_num_seqs + 1)
         self.runner = StageRunner(model, self.device, boot.num_blocks, config.block_size, attention,
@@ -143,7 +144,11 @@ def main() -> None:
     if boot.threads:
         torch.set_num_threads(boot.threads)
     platform = registry.pick_platform(boot.config.platform)
-    dist.init_process_group(platform.capabilities.dist_backend, init_method="env://")
+    plan = plan_group(platform, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    platform = platform.on_device(plan.device_index)
+    if platform.device.type != "cpu":  # kernels launch on the current device, as torchrun's workers set it
+        torch.get_device_module(platform.device).set_device(platform.device)
+    dist.init_process_group(plan.backend, init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
@@ -154,7 +159,7 @@ def main() -> None:
     decoder = msgspec.msgpack.Decoder(StageCommand)
     threading.Thread(target=_beat, args=(ctx, boot.reports, rank), daemon=True).start()
     try:
-        stage = Stage(boot, rank, world)
+        stage = Stage(boot, rank, world, platform, plan)
     except Exception as e:
         reports.send(msgspec.msgpack.encode(StageReport(rank=rank, error=f"{type(e).__name__}: {e}")))
         raise

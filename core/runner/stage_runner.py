@@ -55,26 +55,28 @@ def split_layers(num_layers: int, count: int) -> list[tuple[int, int]]:
 class HiddenLink:
     """Stage-to-stage p2p of the residual stream on a torch.distributed process group (the
     default one in a stage process). Sends do not wait for the next stage, so a stage moves on
-    to the next frame while the one after it still runs this one; a few sends stay in flight."""
+    to the next frame while the one after it still runs this one; a few sends stay in flight.
+    `host_staged` (stages sharing a device, on gloo): the stream crosses through host memory."""
 
     MAX_PENDING = 4
 
-    def __init__(self, group: Any, prev_rank: int | None, next_rank: int | None) -> None:
+    def __init__(self, group: Any, prev_rank: int | None, next_rank: int | None, host_staged: bool = False) -> None:
         self.group, self.prev_rank, self.next_rank = group, prev_rank, next_rank
+        self.host_staged = host_staged
         self.pending: deque[tuple[Any, torch.Tensor]] = deque()
 
     def send(self, tensor: torch.Tensor) -> None:
         assert self.next_rank is not None
-        tensor = tensor.contiguous()
+        tensor = tensor.contiguous().to("cpu") if self.host_staged else tensor.contiguous()
         self.pending.append((self.group.send([tensor], self.next_rank, 0), tensor))
         while len(self.pending) > self.MAX_PENDING:
             self.pending.popleft()[0].wait()
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         assert self.prev_rank is not None
-        out = torch.empty(shape, dtype=dtype, device=device)
+        out = torch.empty(shape, dtype=dtype, device="cpu" if self.host_staged else device)
         self.group.recv([out], self.prev_rank, 0).wait()
-        return out
+        return out.to(device, non_blocking=True) if self.host_staged else out
 
     def flush(self) -> None:
         while self.pending:

@@ -222,7 +222,8 @@ def test_kv_budget() -> None:
         assert platform.kv_budget_bytes() == budget, type(platform).__name__
 
 
-KERNEL_API = {"name", "capabilities", "is_available", "device", "default_dtype", "memory_info", "kv_budget_bytes",
+KERNEL_API = {"name", "capabilities", "is_available", "device", "default_dtype", "device_count", "on_device",
+              "memory_info", "kv_budget_bytes",
               "attention_backend", "graph_capture", "host_gate", "synchronize"}
 
 
@@ -295,6 +296,17 @@ def test_accelerator_graph_capture_uses_the_device_module_or_says_it_cannot() ->
     with platform.graph_capture(pool="shared") as graph:
         assert isinstance(graph, FakeGraph)
     assert seen == [("device", 1), ("capture", graph, "shared")]
+
+
+def test_on_device_picks_a_device_of_the_host_or_names_the_ones_it_has() -> None:
+    platform = fake_accelerator(device_count=lambda: 2)
+    assert platform.device_count() == 2
+    moved = platform.on_device(1)
+    assert type(moved) is type(platform) and moved.index == 1
+    with pytest.raises(ValueError, match="no device 2 \\(this host has 2\\)"):
+        platform.on_device(2)
+    cpu = CpuPlatform()
+    assert cpu.device_count() == 1 and cpu.on_device(3).device == CPU
 
 
 def test_metadata_names_its_backend() -> None:
