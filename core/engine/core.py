@@ -190,7 +190,7 @@ class EngineCore:
         config, runner = self.config, self.runner
         assert isinstance(runner, ModelRunner), "graphs are captured where the weights are"
         if not (self.platform.capabilities.supports_graphs and not config.enforce_eager
-                and runner.attention.supports_padding):
+                and runner.attention.supports_padding and runner.attention.device_planned):
             return None
         graphs = StepGraphs(runner, self.platform, config.max_num_seqs, verify_widths=(0, k),
                             propose_widths=(0, k) if caps is not None and caps.device_only else (0,),

@@ -33,6 +33,7 @@ from ..platform import parse_dtype
 from ..plugin import Speculator, SpeculatorCapabilities, SpeculatorContext, TargetModel, TargetStates
 from ..wire.drafter import HIDDEN_CARRIERS, Describe, Free, Hello, Ingest, Propose, fingerprint
 from .check import parse_options
+from .drafter_steps import Key, PaddedSteps
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -60,12 +61,23 @@ class Served:
     attention: AttentionBackend
     """The step's plan (the target's view of the step), apart from the speculator's own backend."""
     generations: dict[int, int]
+    target: TargetModel | None
+    """The target's embedding, final norm and head, where the drafter declares it uses them."""
+    padded: PaddedSteps | None
+    """Fixed-shape passes (device graphs where the platform captures them), for device-only drafters."""
 
 
 class DrafterHost:
     def __init__(self, method: str, model: str, *, platform: str | None = None, dtype: str | None = None,
-                 draft_model: str | None = None, options: dict[str, str] | None = None) -> None:
+                 draft_model: str | None = None, options: dict[str, str] | None = None,
+                 graphs: bool = True) -> None:
+        """`graphs`: steady-state steps of a device-only drafter run at fixed shapes (device
+        graphs where the platform captures them); False runs every step eagerly at its size."""
         self.method = method
+        self.graphs = graphs
+        self.num_padded_steps = 0
+        """Steps that ran at a padded fixed shape (replayed where graphs were captured)."""
+        self.num_eager_steps = 0
         self.log = log.get("drafter_host")
         self.platform = registry.pick_platform(platform)
         self.dtype = parse_dtype(dtype) if dtype else self.platform.default_dtype()
@@ -135,15 +147,26 @@ class DrafterHost:
         if caps.uses_target_weights and self.model is None:
             self.model = load_model(self.path, self.dtype, device, width)
         speculator = self.cls(ctx)
+        m = self.model
+        target = TargetModel(self.target, m.embed, m.norm, m.logits, None) if caps.uses_target_weights and m else None
+        tokens = torch.zeros(msg.num_slots, width, dtype=torch.int64, device=device)
+        padded = None
+        plans = self.platform.attention_backend(bs, max_tokens, max_rows=msg.num_slots, max_blocks=per_slot)
+        if caps.device_only and self.graphs and msg.num_slots > 1 and plans.supports_padding:
+            padded = PaddedSteps.build(
+                speculator, plans, tokens, caps.target_hidden_layers, self.target.hidden_size, self.dtype, target,
+                msg.num_slots, k)
+            if self.platform.capabilities.supports_graphs and plans.device_planned:
+                padded.capture(self.platform, k)
         self.log.info("drafter_built", method=self.method, num_slots=msg.num_slots, k=k,
-                      draft_kv_bytes=draft_bytes, max_model_len=msg.max_model_len)
+                      draft_kv_bytes=draft_bytes, max_model_len=msg.max_model_len,
+                      graphs=len(padded.graphs) if padded is not None else 0)
         return Served(
-            speculator=speculator, caps=caps, key=key,
-            tokens=torch.zeros(msg.num_slots, width, dtype=torch.int64, device=device),
+            speculator=speculator, caps=caps, key=key, tokens=tokens,
             tables=[list(range(s * per_slot, (s + 1) * per_slot)) for s in range(msg.num_slots)],
             attention=self.platform.attention_backend(bs, max_tokens, max_rows=msg.num_slots,
                                                       max_blocks=per_slot),
-            generations={})
+            generations={}, target=target, padded=padded)
 
     def free(self, msg: Free) -> None:
         served = self._require()
@@ -160,21 +183,25 @@ class DrafterHost:
     def step(self, msg: Ingest | Propose) -> np.ndarray | None:
         """The runner's speculator pass over one step; [R, K] int64 drafts for a Propose."""
         served = self._require()
-        states = self._states(served, msg)
-        if isinstance(msg, Propose) and msg.k > 0:
-            drafts = served.speculator.propose(states, msg.k)
-            out: np.ndarray = drafts.token_ids.to(torch.int64).cpu().numpy()
-            return out
-        served.speculator.sync(states)
-        return None
+        self._admit(served, msg)
+        k = msg.k if isinstance(msg, Propose) else 0
+        padded = served.padded
+        key = padded.key([r.num_tokens for r in msg.rows], k) if padded is not None else None
+        if padded is not None and key is not None:
+            self.num_padded_steps += 1
+            ids = self._padded(served, padded, key, msg)
+        else:
+            self.num_eager_steps += 1
+            ids = self._eager(served, msg, k)
+        return None if ids is None else ids[: len(msg.rows)].to(torch.int64).cpu().numpy()
 
-    def _states(self, served: Served, msg: Ingest) -> TargetStates:
-        device = self.platform.device
+    def _admit(self, served: Served, msg: Ingest) -> None:
+        """Checks the step against the drafter's buffers and declared layers, and takes its rows'
+        generations."""
         rows = msg.rows
         if not rows:
             raise InvalidInputError("a step without rows")
-        num_slots = len(served.tables)
-        width = served.tokens.shape[1]
+        num_slots, width = served.tokens.shape
         caps = served.caps
         if len(msg.hidden) != len(caps.target_hidden_layers):
             raise InvalidInputError(f"expected hidden states of layers {caps.target_hidden_layers}, "
@@ -183,39 +210,66 @@ class DrafterHost:
         tokens = np.asarray(msg.tokens)
         if tokens.shape != (total,) or tokens.dtype.kind not in "iu":
             raise InvalidInputError(f"tokens: expected {total} integers, got {tokens.dtype} {tokens.shape}")
-        offset = 0
-        new = torch.from_numpy(tokens.astype(np.int64)).to(device)
         for r in rows:
             if not 0 <= r.slot < num_slots or r.tokens_from < 0 or r.tokens_from + r.num_new_tokens > width \
                     or r.start_pos + r.num_tokens > width:
                 raise InvalidInputError(f"row of slot {r.slot} lies outside the drafter's buffers")
-            n = r.num_new_tokens
-            served.tokens[r.slot, r.tokens_from : r.tokens_from + n] = new[offset : offset + n]
-            offset += n
-            served.generations[r.slot] = r.generation
         t = sum(r.num_tokens for r in rows)
-        hidden = {}
         for layer, a in zip(caps.target_hidden_layers, msg.hidden, strict=True):
             if a.ndim != 2 or a.shape[0] != t or a.shape[1] != self.target.hidden_size:
                 raise InvalidInputError(f"hidden states of layer {layer}: expected [{t}, {self.target.hidden_size}], "
                                         f"got {list(a.shape)}")
-            hidden[layer] = hidden_from_wire(a, msg.hidden_dtype, device, self.dtype)
+        for r in rows:
+            served.generations[r.slot] = r.generation
+
+    @staticmethod
+    def _token_writes(msg: Ingest) -> np.ndarray:
+        """[3 * N]: slots, positions and ids of the token-buffer spans the step brings."""
+        n = np.fromiter((r.num_new_tokens for r in msg.rows), np.int64, len(msg.rows))
+        slots = np.repeat(np.fromiter((r.slot for r in msg.rows), np.int64, len(msg.rows)), n)
+        pos = np.concatenate([np.arange(r.tokens_from, r.tokens_from + r.num_new_tokens) for r in msg.rows])
+        return np.concatenate([slots, pos, np.asarray(msg.tokens, np.int64)])
+
+    def _rows(self, msg: Ingest) -> np.ndarray:
+        return np.array([(r.slot, r.accepted, r.seq_len, r.samples) for r in msg.rows], np.int64).reshape(-1, 4)
+
+    def _padded(self, served: Served, padded: PaddedSteps, key: Key, msg: Ingest) -> torch.Tensor | None:
+        tables = [(r.start_pos, r.num_tokens, served.tables[r.slot]) for r in msg.rows]
+        meta = padded.plan(key, tables, self._rows(msg), self._token_writes(msg))
+        assert meta.tail is not None
+        n = meta.tail.numel() // 3
+        served.tokens[meta.tail[:n], meta.tail[n : 2 * n]] = meta.tail[2 * n :]
+        t = sum(r.num_tokens for r in msg.rows)
+        for layer, a in zip(served.caps.target_hidden_layers, msg.hidden, strict=True):
+            padded.hidden[layer][:t].copy_(hidden_from_wire(a, msg.hidden_dtype, self.platform.device, self.dtype))
+        return padded.run(key, meta)
+
+    def _eager(self, served: Served, msg: Ingest, k: int) -> torch.Tensor | None:
+        states = self._states(served, msg)
+        if k:
+            return served.speculator.propose(states, k).token_ids
+        served.speculator.sync(states)
+        return None
+
+    def _states(self, served: Served, msg: Ingest) -> TargetStates:
+        device = self.platform.device
+        rows = msg.rows
+        caps = served.caps
+        writes = torch.from_numpy(self._token_writes(msg)).to(device)
+        n = writes.numel() // 3
+        served.tokens[writes[:n], writes[n : 2 * n]] = writes[2 * n :]
+        hidden = {layer: hidden_from_wire(a, msg.hidden_dtype, device, self.dtype)
+                  for layer, a in zip(caps.target_hidden_layers, msg.hidden, strict=True)}
         tables = [served.tables[r.slot] for r in rows]
         meta = served.attention.prepare([(r.start_pos, r.num_tokens, tables[i]) for i, r in enumerate(rows)])
-        slot_index = torch.tensor([r.slot for r in rows], dtype=torch.int64, device=device)
+        per_row = torch.from_numpy(self._rows(msg)).to(device).t()
         seq_lens = [r.seq_len for r in rows]
-        samples = [r.samples for r in rows]
-        m = self.model
-        target = None
-        if caps.uses_target_weights:
-            assert m is not None
-            target = TargetModel(self.target, m.embed, m.norm, m.logits, None)
         query_start = np.concatenate([[0], np.cumsum([r.num_tokens for r in rows])]).tolist()
         return TargetStates(
-            tokens=served.tokens, slots=[r.slot for r in rows], slot_index=slot_index,
+            tokens=served.tokens, slots=[r.slot for r in rows], slot_index=per_row[0].contiguous(),
             generations=[r.generation for r in rows], start_pos=[r.start_pos for r in rows],
             query_start=query_start, positions=meta.positions, num_drafts=[r.num_drafts for r in rows],
-            accepted=torch.tensor([r.accepted for r in rows], dtype=torch.int64, device=device),
-            seq_lens=seq_lens, samples=samples, sampling=[r.sampling for r in rows], block_tables=tables,
-            hidden=hidden, seq_lens_device=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            samples_device=torch.tensor(samples, dtype=torch.bool, device=device), target=target, attention=meta)
+            accepted=per_row[1].contiguous(), seq_lens=seq_lens, samples=[r.samples for r in rows],
+            sampling=[r.sampling for r in rows], block_tables=tables, hidden=hidden,
+            seq_lens_device=per_row[2].contiguous(), samples_device=per_row[3] != 0, target=served.target,
+            attention=meta)

@@ -217,10 +217,11 @@ class PagedAttention:
 class TorchPagedAttention(PagedAttention):
     """Grouped SDPA over each sequence's gathered context slots: runs wherever torch runs.
 
-    Its groups are planned on the host (index and mask tensors per group), so it takes no
-    padding: device graphs run on a backend whose kernels read the block tables themselves."""
+    Its groups are planned on the host (index and mask tensors per group), so device graphs run
+    on a backend whose kernels read the block tables themselves (`device_planned`). A padded
+    step is fine eagerly: padding tokens write no KV and attend to nothing (their outputs are 0)."""
 
-    supports_padding = False
+    supports_padding = True
     device_planned = False
 
     def plan(self, meta: AttentionMetadata, chunks: Sequence[Chunk], starts: np.ndarray, lens: np.ndarray,
@@ -239,9 +240,8 @@ class TorchPagedAttention(PagedAttention):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_cache, v_cache = kv[0], kv[1]
-        k_cache[meta.slot_mapping] = k
-        v_cache[meta.slot_mapping] = v
-        out = torch.empty_like(q)
+        self.write(k, v, kv, meta.slot_mapping)
+        out = torch.zeros_like(q)
         for g in meta.groups:
             attended = F.scaled_dot_product_attention(
                 q[g.q_index].transpose(1, 2),

@@ -62,6 +62,9 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--platform", default=None, help="platform plugin (default: the best available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the platform's)")
     p.add_argument("--inject-rtt-ms", type=float, default=0.0, help="hold each reply back by this round trip")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every step at its own size (default: steady-state steps of a device-only drafter "
+                        "replay device graphs captured at start)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -173,7 +176,8 @@ def main(args: argparse.Namespace) -> int:
     from ..engine.drafter import DrafterHost  # torch and the drafter load for this command alone
 
     host = DrafterHost(args.method, args.model, platform=args.platform, dtype=args.dtype,
-                       draft_model=args.draft_model, options=parse_options(args.speculator_option))
+                       draft_model=args.draft_model, options=parse_options(args.speculator_option),
+                       graphs=not args.enforce_eager)
     server = DrafterServer(host, args.bind, args.keys, args.inject_rtt_ms)
     signal.signal(signal.SIGTERM, lambda *_: server.stop.set())
     print(f"serving {args.method} for {host.path.name} at {server.address}", flush=True)

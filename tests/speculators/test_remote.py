@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -294,3 +295,32 @@ def test_only_an_admitted_peer_talks_to_the_drafter(eagle3: Server, keys: Path, 
         rogue.close(0)
         rogue_ctx.term()
     assert os.path.exists(keys / "clients" / "client.key")
+
+
+@pytest.mark.parametrize("method", ["eagle3", "ngram"])
+def test_fixed_shape_steps_draft_what_steps_at_their_own_size_draft(
+        method: str, keys: Path, tmp_path: Path, tokenizer: Any) -> None:
+    """The served drafter's padded passes (the ones it replays as device graphs where it can)
+    against every step at its own size: the same drafts, row by row, step by step. Three rows
+    pad to the bucket of four, so a padding row runs beside them."""
+    from speckernel.engine.drafter import DrafterHost
+    from speckernel.tools.serve_drafter import DrafterServer
+
+    three = [tokenizer.encode(p) for p in PROMPTS[:3]]
+    want = run_to_completion(engine(max_num_seqs=4), three, GREEDY)
+    runs = {}
+    for graphs in (True, False):
+        host = DrafterHost(method, "smollm2-135m", platform="cpu", dtype="float32", graphs=graphs)
+        server = DrafterServer(host, f"ipc://{tmp_path}/{method}-{graphs}.sock", keys)
+        thread = threading.Thread(target=server.serve, daemon=True)
+        thread.start()
+        try:
+            core = engine(Server(method, server.address, keys), max_num_seqs=4, deferred="false")
+            seen = recorded(core)
+            assert run_to_completion(core, three, GREEDY) == want
+            runs[graphs] = drafts_of(core, seen)
+        finally:
+            server.stop.set()
+            thread.join(5)
+        assert (host.num_padded_steps > 0) == graphs and host.num_eager_steps > 0, (graphs, host.num_padded_steps)
+    assert runs[True] == runs[False]
