@@ -1,5 +1,6 @@
-"""accept: acceptance of each speculator on the 164 HumanEval prompts (chat template,
-temperature 0), next to a run without speculation on the same engine settings, whose output
+"""accept: acceptance of each speculator on the 164 HumanEval prompts, or on the 64 held-out
+general-chat requests (`--dataset chat`: how much holds off the code domain), as chats at
+temperature 0, next to a run without speculation on the same engine settings, whose output
 every speculative run must reproduce token for token.
 """
 
@@ -18,6 +19,7 @@ from ...frontend.async_engine import AsyncEngine
 from ...progress import Progress
 from ...sampling_params import SamplingParams
 from ..datasets import humaneval_messages
+from ..general_chat import general_chat_messages
 from .command import base_config, header, with_speculator
 
 
@@ -53,7 +55,8 @@ async def run_one(config: EngineConfig, conversations: list[list[dict[str, str]]
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    conversations = humaneval_messages()[: args.num_prompts]
+    chat = args.dataset == "chat"
+    conversations = (general_chat_messages() if chat else humaneval_messages())[: args.num_prompts]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     base = base_config(args)
     runs: dict[str, Any] = {}
@@ -72,7 +75,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         r["tokens_per_s_ratio"] = r["tokens_per_s"] / runs["none"]["tokens_per_s"]
         r.pop("outputs")
     return header("accept") | {
-        "dataset": f"HumanEval ({len(conversations)} prompts, chat template)",
+        "dataset": f"{'held-out general chat' if chat else 'HumanEval'} ({len(conversations)} prompts, "
+                   "chat template)",
         "max_tokens": args.max_tokens,
         "num_speculative_tokens": args.num_speculative_tokens,
         "concurrency": args.concurrency or len(conversations),
@@ -116,6 +120,6 @@ def plot(report: dict[str, Any], plt: Any) -> Any:
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance (accepted / drafted)")
     ax.set_ylim(0, 1.05)
-    ax.set_title("Acceptance per position, HumanEval, temperature 0")
+    ax.set_title(f"Acceptance per position, {report['dataset'].split(' (')[0]}, temperature 0")
     ax.legend()
     return fig

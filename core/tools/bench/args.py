@@ -81,10 +81,12 @@ def fraction(text: str) -> float:
 def accept_arguments(p: argparse.ArgumentParser) -> None:
     speculator_flags(p, "repeatable; default: ngram and draft_model")
     p.add_argument("--label", default=None, help="name of the speculative runs in the table")
+    p.add_argument("--dataset", choices=("humaneval", "chat"), default="humaneval",
+                   help="HumanEval's 164 problems, or the 64 held-out general-chat requests (default: humaneval)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer at most")
     p.add_argument("--num-prompts", "--limit", dest="num_prompts", type=int, default=None,
                    help="the first N prompts only, as in the other scenarios (--limit: its old name) "
-                        "(default: all 164)")
+                        "(default: all of the dataset)")
     p.add_argument("--concurrency", type=int, default=0,
                    help="requests in flight at once (0: all; 1 gives tokens/s at batch 1)")
     engine_flags(p)
