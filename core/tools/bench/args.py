@@ -9,6 +9,7 @@ from typing import Any
 SCENARIOS = {
     "accept": "acceptance per speculator on HumanEval",
     "decode": "decode speed at batch 1 and under concurrency, per speculator, next to HF transformers",
+    "grammar": "structured output (JSON schema, json_object) against free text, with and without speculators",
     "hostsync": "a fixed-width speculator with and without copying draft IDs to the host",
     "pp": "pipeline (PP=1,2,4) and data (DP=2) parallelism, with and without a speculator",
     "prefill": "prefill-only requests with and without K=0 steps",
@@ -147,6 +148,14 @@ def prefill_arguments(p: argparse.ArgumentParser) -> None:
     engine_flags(p)
 
 
+def grammar_arguments(p: argparse.ArgumentParser) -> None:
+    speculator_flags(p, "repeatable; default: ngram, mtp and dflash; runs next to none")
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens per answer at most")
+    p.add_argument("--num-prompts", type=int, default=16, help="requests per run")
+    p.add_argument("--concurrency", type=int_list, default=[1, 16], help="comma-separated (default: 1,16)")
+    engine_flags(p, max_num_seqs=16, max_model_len=1024, process=False)
+
+
 def pp_arguments(p: argparse.ArgumentParser) -> None:
     speculator_flags(p, "repeatable; default: mtp; runs next to none")
     p.add_argument("--pipeline-sizes", type=int_list, default=[1, 2, 4], help="comma-separated (default: 1,2,4)")
@@ -185,7 +194,8 @@ def startup_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one fresh process may take")
 
 
-ARGUMENTS = {"accept": accept_arguments, "decode": decode_arguments, "hostsync": hostsync_arguments,
+ARGUMENTS = {"accept": accept_arguments, "decode": decode_arguments, "grammar": grammar_arguments,
+             "hostsync": hostsync_arguments,
              "prefill": prefill_arguments, "pp": pp_arguments, "remote": remote_arguments,
              "scale": scale_arguments, "startup": startup_arguments}
 
