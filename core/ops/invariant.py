@@ -120,7 +120,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The model's RMSNorm over the last dim of x [..., H], batch-invariant."""
     rows = x.reshape(-1, x.shape[-1])
     if _triton_here(x):
-        return fused_ops.rms_norm_triton(rows.contiguous(), weight, eps).view(x.shape)
+        normed = fused_ops.rms_norm_triton(rows.contiguous(), weight, eps)
+        assert isinstance(normed, torch.Tensor)  # no residual: one tensor
+        return normed.view(x.shape)
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     for i in range(rows.shape[0]):
         out[i] = fused_ops.rms_norm_torch(rows[i : i + 1].clone(), weight, eps)[0]

@@ -10,6 +10,7 @@ SCENARIOS = {
     "accept": "acceptance per speculator on HumanEval",
     "decode": "decode speed at batch 1 and under concurrency, per speculator, next to HF transformers",
     "hostsync": "a fixed-width speculator with and without copying draft IDs to the host",
+    "invariant": "the batch-invariant mode against the default: tokens/s and outputs equal to plain greedy",
     "pp": "pipeline (PP=1,2,4) and data (DP=2) parallelism, with and without a speculator",
     "prefill": "prefill-only requests with and without K=0 steps",
     "remote": "a drafter served in a second process, deferred vs synchronous vs local, with injected round trips",
@@ -121,6 +122,14 @@ def hostsync_arguments(p: argparse.ArgumentParser) -> None:
     engine_flags(p)
 
 
+def invariant_arguments(p: argparse.ArgumentParser) -> None:
+    speculator_flags(p, "repeatable; default: ngram:4, mtp:3, eagle3:3, dflash:7, dspark:4, causal_cascade:4")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per answer at most")
+    p.add_argument("--num-prompts", type=int, default=164, help="the first N HumanEval prompts (default: all 164)")
+    p.add_argument("--concurrency", type=int, default=64, help="requests in flight next to batch 1 (default: 64)")
+    engine_flags(p)
+
+
 def float_list(text: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
@@ -186,6 +195,7 @@ def startup_arguments(p: argparse.ArgumentParser) -> None:
 
 
 ARGUMENTS = {"accept": accept_arguments, "decode": decode_arguments, "hostsync": hostsync_arguments,
+             "invariant": invariant_arguments,
              "prefill": prefill_arguments, "pp": pp_arguments, "remote": remote_arguments,
              "scale": scale_arguments, "startup": startup_arguments}
 
