@@ -64,6 +64,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     allow_special_tokens: bool = False
     """Chat message content may spell control tokens ("<|im_end|>" becomes the token that ends a
     turn): for trusted callers only. By default such text in content is encoded as text."""
+    batch_invariant: bool = False
+    """Run the target's matmuls, attention, norms and activations with kernels whose results for a
+    token do not depend on the other rows, its row's place in the batch or its row's query count
+    (decode, verification, prefill chunk): speculative greedy output then equals plain greedy
+    output token for token in any dtype, at some cost in speed (`speckernel bench invariant`)."""
     force_host_drafts: bool = False
     """Copy draft IDs to the host after every drafting step even when the speculator's fixed
     width makes it unnecessary (benchmarks measure what avoiding the copy saves)."""

@@ -105,11 +105,12 @@ class Platform(Protocol):
         ...
 
     def attention_backend(self, block_size: int, max_tokens: int, max_rows: int = 1,
-                          max_blocks: int = 0) -> AttentionBackend:
+                          max_blocks: int = 0, batch_invariant: bool = False) -> AttentionBackend:
         """A fresh backend sized for steps of up to `max_tokens` tokens and `max_rows` rows, with
         block tables `max_blocks` wide (0: as wide as each step needs); one per model, since a
         backend's metadata lives only until its next prepare(). Where `capabilities.triton`,
-        the project's Triton kernels run attention."""
+        the project's Triton kernels run attention. `batch_invariant`: each query token's output
+        does not depend on the rest of the step (`EngineConfig.batch_invariant`)."""
         ...
 
     def graph_capture(self, pool: object | None = None) -> AbstractContextManager[DeviceGraph]:

@@ -65,9 +65,10 @@ class TorchAcceleratorPlatform:
         return int(free * self.kv_fraction)
 
     def attention_backend(self, block_size: int, max_tokens: int, max_rows: int = 1,
-                          max_blocks: int = 0) -> PagedAttention:
+                          max_blocks: int = 0, batch_invariant: bool = False) -> PagedAttention:
         cls = TritonPagedAttention if self.capabilities.triton else TorchPagedAttention
-        return cls(block_size, max_tokens, self.device, pin_host=True, max_rows=max_rows, max_blocks=max_blocks)
+        return cls(block_size, max_tokens, self.device, pin_host=True, max_rows=max_rows, max_blocks=max_blocks,
+                   batch_invariant=batch_invariant)
 
     def graph_capture(self, pool: object | None = None) -> AbstractContextManager[DeviceGraph]:
         module = self.module()

@@ -54,9 +54,10 @@ class CpuPlatform:
         return min(self.kv_budget_cap, free // 4)
 
     def attention_backend(self, block_size: int, max_tokens: int, max_rows: int = 1,
-                          max_blocks: int = 0) -> PagedAttention:
+                          max_blocks: int = 0, batch_invariant: bool = False) -> PagedAttention:
         cls = TritonPagedAttention if self.capabilities.triton else TorchPagedAttention
-        return cls(block_size, max_tokens, self.device, pin_host=False, max_rows=max_rows, max_blocks=max_blocks)
+        return cls(block_size, max_tokens, self.device, pin_host=False, max_rows=max_rows, max_blocks=max_blocks,
+                   batch_invariant=batch_invariant)
 
     def graph_capture(self, pool: object | None = None) -> AbstractContextManager[DeviceGraph]:
         raise GraphCaptureUnsupportedError("platform 'cpu' cannot capture device graphs "

@@ -95,7 +95,8 @@ class EngineCore:
         self.max_model_len = kv.max_model_len
         attention = self.platform.attention_backend(config.block_size, config.max_num_batched_tokens,
                                                     max_rows=config.max_num_seqs + 1,
-                                                    max_blocks=kv.blocks_per_request(k))
+                                                    max_blocks=kv.blocks_per_request(k),
+                                                    batch_invariant=config.batch_invariant)
         policy = spec_policy(caps, attention, config)
         pipeline = config.pipeline_parallel_size > 1
         self.speculator: Speculator | None = None
@@ -156,6 +157,7 @@ class EngineCore:
                              run_ahead=policy is not None and policy.run_ahead)
         if self.platform.capabilities.triton:
             model.use_triton_ops(True)
+        model.use_batch_invariant_ops(config.batch_invariant)
         self.runner = runner
         runner.graphs = self._capture_graphs(spec.caps if spec is not None else None, k)
         self._warm_kernels(k)

@@ -66,7 +66,9 @@ class Stage:
         self.link = HiddenLink(group, rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None,
                                host_staged=plan.host_staged)
         attention = platform.attention_backend(config.block_size, config.max_num_batched_tokens,
-                                               max_rows=config.max_num_seqs + 1)
+                                               max_rows=config.max_num_seqs + 1,
+                                               batch_invariant=config.batch_invariant)
+        model.use_batch_invariant_ops(config.batch_invariant)
         self.runner = StageRunner(model, self.device, boot.num_blocks, config.block_size, attention,
                                   num_slots=config.max_num_seqs, max_model_len=boot.max_model_len,
                                   speculator=speculator, num_speculative_tokens=k, use_triton=False,

@@ -7,6 +7,11 @@ cache write and the paged read) is the job of the backend that made the step's m
 `LlamaModel.use_triton_ops(True)` switches the layers to fused kernels (`speckernel.ops.fused_ops`):
 add+RMSNorm with the residual stream carried between layers (vLLM-style), q+k rope in one
 launch, and silu*up. Off by default, so the CPU path is the plain torch code.
+
+`LlamaModel.use_batch_invariant_ops(True)` makes every matmul (the LM head too), norm and
+activation batch-invariant (`speckernel.ops.invariant`): a token's results are bit for bit the
+same whatever else is in the batch and however many query tokens its row has. The attention
+backend is made invariant by the platform (`batch_invariant`), not here.
 """
 
 from __future__ import annotations
@@ -19,26 +24,42 @@ from torch import nn
 
 from ..attention import AttentionMetadata
 from ..model_config import ModelConfig
-from ..ops import fused_ops
+from ..ops import fused_ops, invariant
 from ..ops.rope import cos_sin_table
 
 
 class RMSNorm(nn.Module):
+    invariant = False
+    """Batch-invariant norm (`LlamaModel.use_batch_invariant_ops`)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            return invariant.rms_norm(x, self.weight, self.eps)
         return cast(torch.Tensor, fused_ops.rms_norm_torch(x, self.weight, self.eps))  # no residual: one tensor
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and names) that can run batch-invariant."""
+
+    invariant = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            return invariant.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.attention_bias)
-        self.o = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.qkv = Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.attention_bias)
+        self.o = Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.hd**-0.5
@@ -63,13 +84,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    invariant = False
+    """Batch-invariant activation (`LlamaModel.use_batch_invariant_ops`)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        return self.down((fused_ops.silu_mul if fused else fused_ops.silu_mul_torch)(self.gate_up(x)))
+        act = invariant.silu_mul if self.invariant else fused_ops.silu_mul if fused else fused_ops.silu_mul_torch
+        return self.down(act(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -110,16 +135,27 @@ class LlamaModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         cos, sin = cos_sin_table(cfg, max_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.triton_ops = False
+        self.batch_invariant = False
 
     def use_triton_ops(self, enabled: bool = True) -> LlamaModel:
         """Run the layers on the fused kernels of `speckernel.ops.fused_ops` (Triton on CUDA, their
         torch paths elsewhere). Same outputs to rounding; off by default."""
         self.triton_ops = enabled
+        return self
+
+    def use_batch_invariant_ops(self, enabled: bool = True) -> LlamaModel:
+        """Run every linear (the LM head too), norm and activation batch-invariant
+        (`speckernel.ops.invariant`); off by default. The fused path's add+norm, rope and
+        silu*up kernels are one program per row already, so they stay."""
+        self.batch_invariant = enabled
+        for module in self.modules():
+            if isinstance(module, Linear | RMSNorm | MLP):
+                module.invariant = enabled
         return self
 
     def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -178,4 +214,6 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        if self.batch_invariant:
+            return invariant.linear(hidden, weight).float()
         return F.linear(hidden, weight).float()

@@ -69,6 +69,10 @@ class PagedAttention:
 
     `max_blocks` fixes the width of the block tables (so offsets depend only on the padded
     token and row counts, as device graphs need); 0 sizes them to each step's longest table.
+
+    `batch_invariant`: each query token's output is bit for bit the same whatever else is in
+    the step (other rows, its row's other queries: decode, verification and prefill chunks
+    alike); see each backend for how.
     """
 
     supports_padding = True
@@ -79,8 +83,9 @@ class PagedAttention:
     STAGING_RING = 4
 
     def __init__(self, block_size: int, max_tokens: int, device: torch.device, pin_host: bool = False,
-                 max_rows: int = 1, max_blocks: int = 0) -> None:
+                 max_rows: int = 1, max_blocks: int = 0, batch_invariant: bool = False) -> None:
         self.block_size = block_size
+        self.batch_invariant = batch_invariant
         self.device = device
         self.pin_host = pin_host
         self.max_blocks = max_blocks
@@ -219,13 +224,19 @@ class TorchPagedAttention(PagedAttention):
 
     Its groups are planned on the host (index and mask tensors per group), so device graphs run
     on a backend whose kernels read the block tables themselves (`device_planned`). A padded
-    step is fine eagerly: padding tokens write no KV and attend to nothing (their outputs are 0)."""
+    step is fine eagerly: padding tokens write no KV and attend to nothing (their outputs are 0).
+
+    Batch-invariant, every query token is a group of its own over exactly the keys it sees:
+    the SDPA call's shapes depend on its position alone, never on the step."""
 
     supports_padding = True
     device_planned = False
 
     def plan(self, meta: AttentionMetadata, chunks: Sequence[Chunk], starts: np.ndarray, lens: np.ndarray,
              tables: np.ndarray) -> None:
+        if self.batch_invariant:
+            meta.groups = self._per_query(chunks, tables)
+            return
         short: list[tuple[int, int, int, np.ndarray]] = []
         long: list[tuple[int, int, int, np.ndarray]] = []
         offset = 0
@@ -236,6 +247,16 @@ class TorchPagedAttention(PagedAttention):
         groups = [_group(short, self.block_size, self.device)] if short else []
         groups += [_group([row], self.block_size, self.device) for row in long]
         meta.groups = groups
+
+    def _per_query(self, chunks: Sequence[Chunk], tables: np.ndarray) -> list[AttentionGroup]:
+        """One group per query token: one row, one query, its context up to its own position."""
+        groups = []
+        offset = 0
+        for i, (start, n, block_ids) in enumerate(chunks):
+            table = tables[i, : len(block_ids)]
+            groups += [_group([(offset + j, start + j, 1, table)], self.block_size, self.device) for j in range(n)]
+            offset += n
+        return groups
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -260,7 +281,10 @@ class TritonPagedAttention(PagedAttention):
     """The project's Triton kernels: the cache write and a paged attention that reads only each
     row's live KV through its block table, for decode, verification and prefill chunks alike.
     Nothing is planned on the host beyond the shared buffer, so steps pad freely and a device
-    graph captured on one step replays for the next."""
+    graph captured on one step replays for the next.
+
+    Batch-invariant, every step runs one tile configuration without KV splits, and every KV
+    tile through the masked code path (`triton_attention.paged_attention(invariant=True)`)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -268,7 +292,7 @@ class TritonPagedAttention(PagedAttention):
 
         write_kv(k, v, kv, meta.slot_mapping)
         return paged_attention(q, kv, meta.block_tables, meta.seq_lens, meta.query_start, meta.max_query_len,
-                               scale, self.block_size)
+                               scale, self.block_size, invariant=self.batch_invariant)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         from .triton_attention import write_kv  # triton is optional (Linux x86-64)
@@ -278,7 +302,7 @@ class TritonPagedAttention(PagedAttention):
     def warm_up(self, kv: torch.Tensor, num_heads: int) -> int:
         from .triton_attention import warm_up  # triton is optional (Linux x86-64)
 
-        return warm_up(kv, num_heads, self.block_size)
+        return warm_up(kv, num_heads, self.block_size, invariant=self.batch_invariant)
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                scale: float) -> torch.Tensor:

@@ -63,7 +63,7 @@ def _kernels() -> SimpleNamespace:
         stride_kvx, stride_kvs, stride_kvh, stride_btr, stride_btc, num_splits,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
         MIN_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        IEEE: tl.constexpr, DOT_FP32: tl.constexpr,
+        IEEE: tl.constexpr, DOT_FP32: tl.constexpr, ALL_MASKED: tl.constexpr,
     ):
         # M packs (query token, head of the GQA group): m = token * GROUP + head_in_group, so one
         # program loads each K/V tile once for all query heads that share the kv head.
@@ -110,7 +110,12 @@ def _kernels() -> SimpleNamespace:
         if DOT_FP32:
             q = q.to(tl.float32)
         # Keys below full_end are visible to every query of the program: those tiles skip masking.
-        full_end = (first_pos + m_start // GROUP + 1) // BLOCK_N * BLOCK_N
+        # ALL_MASKED (batch-invariant) runs every tile through the masked code, so a query's tile
+        # is computed by the same instructions whichever queries share its program.
+        if ALL_MASKED:
+            full_end = lo
+        else:
+            full_end = (first_pos + m_start // GROUP + 1) // BLOCK_N * BLOCK_N
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -251,6 +256,9 @@ def _config(rows_m: int) -> tuple[int, int, int, int]:
     return 128, 64, 4, 3
 
 
+INVARIANT_CONFIG = (16, 128, 4, 2)
+"""The batch-invariant mode's one (BLOCK_M, BLOCK_N, num_warps, num_stages), for every query
+length: decode's tiles, so decode and verification cost what they do by default."""
 SHORT_ROWS = 64
 """Rows of M (queries x GQA group) up to which a row is one program, which may split its KV."""
 MAX_SPLITS = 16
@@ -292,6 +300,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     *,
     num_kv_splits: int | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each row's new queries over its paged context.
 
@@ -302,7 +311,13 @@ def paged_attention(
     are left as they are in `out`. num_kv_splits (short queries only, 1 to MAX_SPLITS; default:
     by the grid's size on the GPU) is the most programs a row's KV is split over; above 1 a
     combine launch follows. A row uses ceil(seq_len / per_split) of them, per_split being
-    max(its share of the splits, MIN_SPLIT_KEYS) keys; with one it gets no combine work."""
+    max(its share of the splits, MIN_SPLIT_KEYS) keys; with one it gets no combine work.
+
+    invariant: batch-invariant, each query's output independent of the step: one tile
+    configuration (INVARIANT_CONFIG) whatever the query length, no KV splits, and every tile
+    masked. A query then reads the same KV tiles in the same order with the same instructions in
+    a decode, a verification or a prefill step (the extra keys of a longer program are masked to
+    exp2(-inf) = 0, which adds exactly nothing)."""
     t, h, d = q.shape
     kvh = kv.shape[2]
     assert h % kvh == 0, "query heads must be a multiple of kv heads"
@@ -317,10 +332,12 @@ def paged_attention(
     if r == 0 or max_query_len <= 0 or t == 0:
         return out
     rows_m = max_query_len * group
-    block_m, block_n, num_warps, num_stages = _config(rows_m)
+    block_m, block_n, num_warps, num_stages = INVARIANT_CONFIG if invariant else _config(rows_m)
     block_d = _next_pow2(d)
     splits = 1
-    if rows_m <= SHORT_ROWS:
+    if invariant:
+        assert num_kv_splits in (None, 1), "batch-invariant attention does not split KV"
+    elif rows_m <= SHORT_ROWS:
         splits = _default_splits(r * kvh, q.device) if num_kv_splits is None else num_kv_splits
     assert 1 <= splits <= MAX_SPLITS, f"num_kv_splits must be 1 to {MAX_SPLITS}"
     min_split = max(1, -(-MIN_SPLIT_KEYS // block_n)) * block_n
@@ -339,7 +356,7 @@ def paged_attention(
         GROUP=group, HEAD_DIM=d, PAGE=block_size, SPLIT=splits > 1, MIN_SPLIT=min_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
         # Triton's interpreter multiplies bf16 bit patterns as integers in tl.dot: widen there.
-        DOT_FP32=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        DOT_FP32=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1", ALL_MASKED=invariant,
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
@@ -351,14 +368,22 @@ def paged_attention(
     return out
 
 
-def warm_up(kv: torch.Tensor, num_heads: int, block_size: int) -> int:
+def warm_up(kv: torch.Tensor, num_heads: int, block_size: int, invariant: bool = False) -> int:
     """Builds every variant of the attention kernels a step can launch with this cache: one per
     tile configuration a query length leads to (`_config`), with and without KV splits where the
-    device splits. Steps the device graphs capture build theirs anyway; eager steps (several
-    prompts, a chunk beside decode rows) would otherwise build the rest while serving, each a
-    stall of up to a second for every request in flight. Returns the launches made."""
+    device splits; batch-invariant, the one variant every step launches. Steps the device graphs
+    capture build theirs anyway; eager steps (several prompts, a chunk beside decode rows) would
+    otherwise build the rest while serving, each a stall of up to a second for every request in
+    flight. Returns the launches made."""
     kvh, d = kv.shape[2], kv.shape[3]
     group = num_heads // kvh
+    if invariant:
+        q = torch.zeros((1, num_heads, d), dtype=kv.dtype, device=kv.device)
+        tables = torch.zeros((1, 1), dtype=torch.int64, device=kv.device)
+        lens = torch.tensor([1], dtype=torch.int64, device=kv.device)
+        query_start = torch.tensor([0, 1], dtype=torch.int64, device=kv.device)
+        paged_attention(q, kv, tables, lens, query_start, 1, 1.0, block_size, invariant=True)
+        return 1
     seen: set[tuple[int, int, int, int]] = set()
     query_lens = []
     for n in range(1, 4 * SHORT_ROWS + 1):  # up to past the long-query tiles

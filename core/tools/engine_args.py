@@ -71,6 +71,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="N engine-core ranks behind one frontend, requests balanced by load")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay captured device graphs (they are captured at start on CUDA)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="kernels whose results for a token do not depend on the rest of the batch: "
+                        "speculative greedy output equals plain greedy output token for token, in bf16 too")
     p.add_argument("--allow-special-tokens", action="store_true",
                    help="let chat message content spell control tokens such as <|im_end|> (trusted "
                         "callers only; by default such text is encoded as text)")
@@ -138,6 +141,7 @@ def config_from(args: argparse.Namespace) -> EngineConfig:
                         log_level=args.log_level, speculator=args.speculator,
                         num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
                         skip_drafts=not args.no_skip_drafts, enforce_eager=args.enforce_eager,
+                        batch_invariant=args.batch_invariant,
                         adaptive_speculation=args.adaptive_speculation,
                         speculator_options=parse_options(args.speculator_option),
                         pipeline_parallel_size=args.pipeline_parallel_size,

@@ -11,6 +11,7 @@ SCENARIOS = {
     "decode": "decode speed at batch 1 and under concurrency, per speculator, next to HF transformers",
     "grammar": "structured output (JSON schema, json_object) against free text, with and without speculators",
     "hostsync": "a fixed-width speculator with and without copying draft IDs to the host",
+    "invariant": "the batch-invariant mode against the default: tokens/s and outputs equal to plain greedy",
     "pp": "pipeline (PP=1,2,4) and data (DP=2) parallelism, with and without a speculator",
     "prefill": "prefill-only requests with and without K=0 steps",
     "remote": "a drafter served in a second process, deferred vs synchronous vs local, with injected round trips",
@@ -38,6 +39,8 @@ def engine_flags(p: argparse.ArgumentParser, *, model: str | None = "smollm2-135
     p.add_argument("--dtype", default=dtype, help="float32 makes speculative and plain greedy runs "
                    "bit-comparable; None: the platform's")
     p.add_argument("--enforce-eager", action="store_true", help="never replay captured device graphs")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant kernels (speculative greedy output equals plain greedy output)")
     p.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="requests decoded at once")
     p.add_argument("--max-model-len", type=int, default=max_model_len,
                    help="context length, 0 for the model's own" if max_model_len else
@@ -122,6 +125,14 @@ def hostsync_arguments(p: argparse.ArgumentParser) -> None:
     engine_flags(p)
 
 
+def invariant_arguments(p: argparse.ArgumentParser) -> None:
+    speculator_flags(p, "repeatable; default: ngram:4, mtp:3, eagle3:3, dflash:7, dspark:4, causal_cascade:4")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per answer at most")
+    p.add_argument("--num-prompts", type=int, default=164, help="the first N HumanEval prompts (default: all 164)")
+    p.add_argument("--concurrency", type=int, default=64, help="requests in flight next to batch 1 (default: 64)")
+    engine_flags(p)
+
+
 def float_list(text: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
@@ -195,7 +206,7 @@ def startup_arguments(p: argparse.ArgumentParser) -> None:
 
 
 ARGUMENTS = {"accept": accept_arguments, "decode": decode_arguments, "grammar": grammar_arguments,
-             "hostsync": hostsync_arguments,
+             "hostsync": hostsync_arguments, "invariant": invariant_arguments,
              "prefill": prefill_arguments, "pp": pp_arguments, "remote": remote_arguments,
              "scale": scale_arguments, "startup": startup_arguments}
 
