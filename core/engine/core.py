@@ -91,7 +91,9 @@ class EngineCore:
             target_bytes_per_block=kv_bytes_per_block(self.model_cfg, config.block_size, self.dtype),
             lookahead_slots=lookahead_slots(caps, k),
             draft_kv_bytes_per_token=spec.cls.draft_kv_bytes_per_token(spec.ctx) if spec is not None else 0,
-            budget_bytes=self.platform.kv_budget_bytes)
+            # Data-parallel ranks on one host share its device: each takes its share of what is
+            # free (they start at once, so each would otherwise plan on memory another takes).
+            budget_bytes=lambda: self.platform.kv_budget_bytes() // config.data_parallel_size)
         self.max_model_len = kv.max_model_len
         attention = self.platform.attention_backend(config.block_size, config.max_num_batched_tokens,
                                                     max_rows=config.max_num_seqs + 1,

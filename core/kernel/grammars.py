@@ -48,8 +48,12 @@ class Grammars:
         from llguidance import LLMatcher, LLTokenizer  # imported by the engines that serve a grammar
 
         if self._tokenizer is None:  # about 0.7 s for a 49k vocabulary: once, on this thread
-            self._tokenizer = LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
-                                          eos_token=list(self.eos_token_ids))
+            try:
+                self._tokenizer = LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
+                                              eos_token=list(self.eos_token_ids))
+            except TypeError:  # llguidance before 1.7 takes one end-of-sequence id
+                self._tokenizer = LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
+                                              eos_token=self.eos_token_ids[0] if self.eos_token_ids else None)
         matcher = LLMatcher(self._tokenizer, structured.lark())
         if matcher.is_error():
             raise ValueError(f"structured.{structured.kind}: {matcher.get_error()}")
