@@ -122,7 +122,7 @@ class EngineCore:
         """Per step of a data-parallel rank: (this rank could skip drafts, the ranks agreed to)."""
         if config.data_parallel_size > 1:
             self.dp = DataParallelGroup(config.data_parallel_rank, config.data_parallel_size,
-                                        config.data_parallel_port)
+                                        config.data_parallel_port, join_timeout_s=config.startup_timeout_s)
         self.seeds = np.random.default_rng(config.seed)
         self.speculator_failure_limit = SPECULATOR_FAILURE_LIMIT
         self.num_speculator_failures = 0

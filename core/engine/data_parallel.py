@@ -33,10 +33,14 @@ class Agreement(NamedTuple):
 
 
 class DataParallelGroup:
-    def __init__(self, rank: int, size: int, port: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, rank: int, size: int, port: int, host: str = "127.0.0.1",
+                 join_timeout_s: float = TIMEOUT_S) -> None:
+        """`join_timeout_s`: how long the ranks wait for each other to form the group; they get
+        there after loading and capturing graphs, which on a GPU can take longer than a step may."""
         self.rank, self.size = rank, size
         timeout = datetime.timedelta(seconds=TIMEOUT_S)
-        self.store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout, wait_for_workers=False)
+        join = datetime.timedelta(seconds=max(join_timeout_s, TIMEOUT_S))
+        self.store = dist.TCPStore(host, port, size, rank == 0, timeout=join, wait_for_workers=False)
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("speckernel-dp", self.store), rank, size, timeout)
         self.buf = torch.zeros(4, dtype=torch.int64)
         self.num_steps = 0
