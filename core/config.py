@@ -58,6 +58,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     enforce_eager: bool = False
     """Never replay captured device graphs (they are captured at start where the platform
     supports them and Triton kernels run)."""
+    prompts_apart: bool = True
+    """Where device graphs are captured, a prompt runs in steps of its own (one request, at most
+    the largest captured prompt graph's tokens a step), taking turns with decode steps, so every
+    step replays a graph; False lets prompts share decode steps, which then run eagerly."""
     adaptive_speculation: bool = False
     """Let measured step times turn drafting off (K=0 steps) for batch sizes where verifying
     drafts costs more than it yields (`speckernel.kernel.spec_governor`)."""

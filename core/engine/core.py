@@ -112,7 +112,8 @@ class EngineCore:
             self.runner = self._local_runner(checked, spec, kv, k, attention, policy)
         self.scheduler = Scheduler(BlockManager(kv.num_blocks, config.block_size),
                                    config.max_num_seqs, config.max_num_batched_tokens, policy,
-                                   async_scheduling=config.async_scheduling, pipeline=pipeline)
+                                   async_scheduling=config.async_scheduling, pipeline=pipeline,
+                                   prompt_tokens_apart=self._prompt_tokens_apart())
         self.ledger = Ledger(self.scheduler)
         self.governor = SpecGovernor() if config.adaptive_speculation and spec is not None else None
         if self.governor is not None:
@@ -164,6 +165,14 @@ class EngineCore:
         runner.graphs = self._capture_graphs(spec.caps if spec is not None else None, k)
         self._warm_kernels(k)
         return runner
+
+    def _prompt_tokens_apart(self) -> int:
+        """The largest captured prompt graph's tokens, where prompts run apart (0: they share
+        steps with decode rows, as they must where no graph serves them anyway)."""
+        graphs = getattr(self.runner, "graphs", None)
+        if not self.config.prompts_apart or graphs is None or not graphs.prefill:
+            return 0
+        return max(graphs.prefill)
 
     def close(self) -> None:
         """Stops what the core started (the pipeline's stage processes)."""

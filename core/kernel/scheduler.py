@@ -6,6 +6,11 @@ allow. An admitted request takes a slot (its row of the device token buffer) unt
 finishes or is preempted. When blocks run out, the most recently admitted running request is
 preempted: its blocks and slot are freed, its generation renewed, and it recomputes from its
 prompt plus the output it already has.
+
+Where the device replays captured graphs of decode steps and of one prompt at a time, a step
+that mixes a prompt with decode rows (or holds several prompts) runs eagerly, at many times a
+graph's cost on a GPU host. There (`prompt_tokens_apart`) a step is either decode rows only or
+one request's prompt chunk, and the two kinds take turns while both have work.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from .spec_policy import SpecPolicy
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 spec: SpecPolicy | None = None, async_scheduling: bool = False, pipeline: bool = False) -> None:
+                 spec: SpecPolicy | None = None, async_scheduling: bool = False, pipeline: bool = False,
+                 prompt_tokens_apart: int = 0) -> None:
         self.blocks = block_manager
         self.pipeline = pipeline
         """Pipeline stages: several frames in flight whose output the first stage has not seen;
@@ -31,6 +37,11 @@ class Scheduler:
         self.async_scheduling = async_scheduling
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prompt_tokens_apart = prompt_tokens_apart
+        """0: prompts share steps with decode rows. N: a prompt runs in steps of its own, one
+        request and at most N tokens (the largest captured prompt graph) a step."""
+        self.prompt_turn = True
+        """With prompts apart: the next step goes to a prompt if one can run (else to decode rows)."""
         self.spec = spec
         self.requests: dict[int, Request] = {}
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
@@ -76,11 +87,41 @@ class Scheduler:
                 and self.may_continue(req, every_draft_accepted=True))
 
     def schedule(self) -> StepFrame | None:
-        budget = self.max_num_batched_tokens
+        if not self.prompt_tokens_apart:
+            return self._frame(self._rows(self.max_num_batched_tokens, prompts=True))
+        # Prompt and decode steps take turns; either kind goes on alone while the other has no work.
+        for prompt in (self.prompt_turn, not self.prompt_turn):
+            if rows := self._prompt_rows() if prompt else self._rows(self.max_num_batched_tokens, prompts=False):
+                self.prompt_turn = not prompt
+                return self._frame(rows)
+        return None
+
+    def _prompt_rows(self) -> list[ScheduledRow]:
+        """One request's next prompt chunk: the first running request still in its prompt (its
+        frame in flight applied), else the first waiting one that gets a slot and blocks."""
+        budget = min(self.max_num_batched_tokens, self.prompt_tokens_apart)
+        req = next((r for r in self.running if self.in_prompt(r) and not r.in_flight), None)
+        if req is None:
+            return self._admit(budget, max_rows=1)
+        n_known, _, _ = self._plan(req, budget)
+        return [self._row(req, n_known, [], 0)] if self._fit(req, n_known) else []
+
+    @staticmethod
+    def in_prompt(req: Request) -> bool:
+        """Its next step computes more than one known token: a prompt (or its recompute after a
+        preemption), not a decode row."""
+        return req.num_tokens - req.num_computed_tokens > 1
+
+    def _rows(self, budget: int, prompts: bool) -> list[ScheduledRow]:
+        """Running requests first, then waiting ones while the budget and max_num_seqs allow;
+        without prompts, only decode rows (no request in its prompt, none admitted)."""
         rows: list[ScheduledRow] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if not prompts and self.in_prompt(req):
+                i += 1
+                continue
             if req.in_flight and not self.eligible(req, budget):  # its next input is not known yet
                 i += 1
                 continue
@@ -94,17 +135,29 @@ class Scheduler:
                 i += 1
                 continue
             n_known, drafts, slots = self._plan(req, budget)
-            while not self.blocks.ensure(req, self._slots_needed(req, n_known + len(drafts) + slots)):
-                victim = self.running[-1]
-                self.preempt(victim)
-                if victim is req:
-                    break
-            if req.status is not Status.RUNNING:
+            if not self._fit(req, n_known + len(drafts) + slots):
                 break
             rows.append(self._row(req, n_known, drafts, slots))
             budget -= rows[-1].num_tokens
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        if prompts:
+            rows += self._admit(budget, self.max_num_seqs)
+        return rows
+
+    def _fit(self, req: Request, n: int) -> bool:
+        """Blocks for n more tokens of a running request, preempting the most recently admitted
+        requests while they run out; False when req itself had to go."""
+        while not self.blocks.ensure(req, self._slots_needed(req, n)):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _admit(self, budget: int, max_rows: int) -> list[ScheduledRow]:
+        """Waiting requests, in order, while the budget, max_num_seqs and their blocks allow."""
+        rows: list[ScheduledRow] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(rows) < max_rows:
             req = self.waiting[0]
             n_known, _, _ = self._plan(req, budget)
             if not self.blocks.ensure(req, self._slots_needed(req, n_known)):
@@ -115,6 +168,9 @@ class Scheduler:
             self.running.append(req)
             rows.append(self._row(req, n_known, [], 0))
             budget -= n_known
+        return rows
+
+    def _frame(self, rows: list[ScheduledRow]) -> StepFrame | None:
         if not rows:
             return None
         frame = StepFrame(

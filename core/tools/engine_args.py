@@ -71,6 +71,8 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="N engine-core ranks behind one frontend, requests balanced by load")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay captured device graphs (they are captured at start on CUDA)")
+    p.add_argument("--no-prompts-apart", action="store_true",
+                   help="let prompts share decode steps where graphs are captured (those steps then run eagerly)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="kernels whose results for a token do not depend on the rest of the batch: "
                         "speculative greedy output equals plain greedy output token for token, in bf16 too")
@@ -141,6 +143,7 @@ def config_from(args: argparse.Namespace) -> EngineConfig:
                         log_level=args.log_level, speculator=args.speculator,
                         num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
                         skip_drafts=not args.no_skip_drafts, enforce_eager=args.enforce_eager,
+                        prompts_apart=not args.no_prompts_apart,
                         batch_invariant=args.batch_invariant,
                         adaptive_speculation=args.adaptive_speculation,
                         speculator_options=parse_options(args.speculator_option),

@@ -41,21 +41,23 @@ class LedgerMachine(RuleBasedStateMachine):
     """None: no speculator; 'fixed' or 'variable' draft width."""
     async_scheduling = False
     run_ahead = False
+    prompts_apart = False
+    """Prompts in steps of their own (`Scheduler.prompt_tokens_apart`, drawn from 2 to 8 tokens)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.h: Harness
 
     @initialize(k=st.integers(1, 3), lookahead=st.integers(0, 3), skip=st.booleans(), seqs=st.integers(2, 4),
-                budget=st.integers(4, 16), blocks=st.integers(8, 20))
-    def setup(self, k: int, lookahead: int, skip: bool, seqs: int, budget: int, blocks: int) -> None:
+                budget=st.integers(4, 16), blocks=st.integers(8, 20), apart=st.integers(2, 8))
+    def setup(self, k: int, lookahead: int, skip: bool, seqs: int, budget: int, blocks: int, apart: int) -> None:
         policy = None
         if self.width is not None:
             policy = SpecPolicy(num_speculative_tokens=k, lookahead_slots=lookahead,
                                 variable_width=self.width == "variable", skip_drafts=skip,
                                 run_ahead=self.run_ahead)
         self.h = Harness(policy, self.async_scheduling, num_blocks=blocks, max_num_seqs=seqs,
-                         max_num_batched_tokens=budget)
+                         max_num_batched_tokens=budget, prompt_tokens_apart=apart if self.prompts_apart else 0)
 
     @rule(data=st.data(), n=st.integers(1, 4))
     def add(self, data: st.DataObject, n: int) -> None:
@@ -127,8 +129,17 @@ class AsyncRunAheadLedgerMachine(LedgerMachine):
     width, async_scheduling, run_ahead = "fixed", True, True
 
 
+class PromptsApartLedgerMachine(LedgerMachine):
+    width, async_scheduling, run_ahead, prompts_apart = "fixed", True, True, True
+
+
+class VariablePromptsApartLedgerMachine(LedgerMachine):
+    width, prompts_apart = "variable", True
+
+
 MACHINES = (LedgerMachine, AsyncLedgerMachine, FixedLedgerMachine, AsyncFixedLedgerMachine,
-            VariableLedgerMachine, AsyncVariableLedgerMachine, AsyncRunAheadLedgerMachine)
+            VariableLedgerMachine, AsyncVariableLedgerMachine, AsyncRunAheadLedgerMachine,
+            PromptsApartLedgerMachine, VariablePromptsApartLedgerMachine)
 for machine in MACHINES:
     machine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
@@ -139,6 +150,8 @@ TestAsyncFixedLedgerMachine = AsyncFixedLedgerMachine.TestCase
 TestVariableLedgerMachine = VariableLedgerMachine.TestCase
 TestAsyncVariableLedgerMachine = AsyncVariableLedgerMachine.TestCase
 TestAsyncRunAheadLedgerMachine = AsyncRunAheadLedgerMachine.TestCase
+TestPromptsApartLedgerMachine = PromptsApartLedgerMachine.TestCase
+TestVariablePromptsApartLedgerMachine = VariablePromptsApartLedgerMachine.TestCase
 
 
 # --- a seeded walk: the same checks, and proof that the harness reaches every case ---------------

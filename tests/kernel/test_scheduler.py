@@ -74,6 +74,61 @@ def test_finish_returns_blocks_and_forgets_request() -> None:
     assert sched.blocks.num_free == 8 and 1 not in sched.requests and req.generation > generation
 
 
+def applied(sched: Scheduler, frame: object) -> None:
+    """What the ledger does to the counters when a frame lands (each sampling row emits 7)."""
+    assert frame is not None
+    for row in frame.rows:  # type: ignore[attr-defined]
+        req = sched.requests[row.key]
+        req.in_flight -= 1
+        if row.sampling is not None:
+            req.num_placeholders -= 1
+            req.output_token_ids.append(7)
+
+
+def test_prompts_apart_take_turns_with_decode_rows_one_prompt_at_a_time() -> None:
+    """Where prompts run apart, a step is decode rows only or one prompt chunk of at most N
+    tokens, and while both have work they alternate: decode rows never wait two prompt steps."""
+    sched = Scheduler(BlockManager(256, 4), max_num_seqs=8, max_num_batched_tokens=64, prompt_tokens_apart=8)
+    for key in range(2):
+        sched.add(make(key, 5, max_tokens=30))
+    kinds = []
+    for step in range(24):
+        if step == 4:
+            for key in range(2, 5):
+                sched.add(make(key, 20, max_tokens=30))
+        frame = sched.schedule()
+        assert frame is not None
+        prompt = [r for r in frame.rows if r.num_tokens > 1]
+        assert not prompt or (len(frame.rows) == 1 and frame.rows[0].num_tokens <= 8), frame.rows
+        kinds.append("P" if prompt else "D")
+        applied(sched, frame)
+    # Two short prompts, then three of 20 tokens (3 chunks each) from step 4: 11 prompt steps.
+    assert "".join(kinds) == "PD" * 11 + "DD"
+
+
+def test_prompts_apart_preempt_rather_than_stall() -> None:
+    """Two prompts in flight at once (the second starts while the first's chunk runs) that
+    together outgrow the cache: the later one is preempted so the earlier goes on, as in mixed
+    steps; nothing is left stuck with nothing in flight."""
+    sched = Scheduler(BlockManager(6, 4), max_num_seqs=4, max_num_batched_tokens=64, prompt_tokens_apart=4)
+    a, b = make(1, 14, max_tokens=2), make(2, 14, max_tokens=2)
+    sched.add(a)
+    sched.add(b)
+    in_flight: list[object] = []
+    for _ in range(60):
+        while len(in_flight) < 2 and (frame := sched.schedule()) is not None:
+            in_flight.append(frame)
+        if not in_flight:
+            break
+        frame = in_flight.pop(0)
+        if all(r.generation == sched.requests[r.key].generation for r in frame.rows if r.key in sched.requests):
+            applied(sched, frame)
+        for req in [r for r in (a, b) if r.status is Status.RUNNING and len(r.output_token_ids) >= 2]:
+            sched.finish(req, "length")
+    assert a.status is Status.FINISHED and b.status is Status.FINISHED
+    assert sched.num_preemptions >= 1
+
+
 @pytest.mark.slow
 def test_preemption_by_recompute_keeps_greedy_output(tokenizer) -> None:  # type: ignore[no-untyped-def]
     """With a KV cache too small for the batch, requests are preempted and recomputed, and

@@ -74,6 +74,33 @@ def test_steady_state_decode_launches_without_host_sync(model_path: Path, tokeni
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("spec", [{}, {"speculator": "mtp", "num_speculative_tokens": 3}])
+def test_prompts_arriving_while_others_decode_never_leave_the_graphs(model_path: Path, tokenizer,  # type: ignore[no-untyped-def]
+                                                                     spec: dict) -> None:
+    """Requests that arrive while others decode: each prompt runs in a step of its own, so every
+    step of the run replays a captured graph (a prompt mixed into decode rows ran eagerly), and
+    the output equals the eager engine's, which mixes them."""
+    from tests.conftest import PROMPTS
+
+    ids = prompts(tokenizer, PROMPTS[:12])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    core = EngineCore(config(False, **spec))
+    assert core.scheduler.prompt_tokens_apart == 512
+    out: dict[int, list[int]] = {key: [] for key in range(len(ids))}
+    for key, p in enumerate(ids):
+        core.add_request(AddRequest(key, p, params))
+        for _ in range(3):  # the next prompt arrives while these decode
+            for delta in core.step():
+                out[delta.key] += delta.new_token_ids
+    while core.scheduler.requests:
+        for delta in core.step():
+            out[delta.key] += delta.new_token_ids
+    stats = core.stats()
+    assert stats["num_graph_steps"] == stats["num_steps"], stats
+    assert out == run(EngineCore(config(True, **spec)), ids, params)
+
+
+@pytest.mark.slow
 def test_speculative_requests_run_ahead_without_host_sync(model_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
     """ngram drafts inside the step: the next step of each request is launched while the
     current one runs, planned as if every draft is accepted, and no launch of a decode or

@@ -39,6 +39,8 @@ def engine_flags(p: argparse.ArgumentParser, *, model: str | None = "smollm2-135
     p.add_argument("--dtype", default=dtype, help="float32 makes speculative and plain greedy runs "
                    "bit-comparable; None: the platform's")
     p.add_argument("--enforce-eager", action="store_true", help="never replay captured device graphs")
+    p.add_argument("--no-prompts-apart", action="store_true",
+                   help="let prompts share decode steps (which then run eagerly)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant kernels (speculative greedy output equals plain greedy output)")
     p.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="requests decoded at once")

@@ -43,6 +43,7 @@ def scenario_module(name: str) -> ModuleType:
 def base_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, platform=args.platform, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len or None, enforce_eager=args.enforce_eager,
+                        prompts_apart=not getattr(args, "no_prompts_apart", False),
                         batch_invariant=getattr(args, "batch_invariant", False),
                         in_process=not getattr(args, "process", False))
 
