@@ -62,9 +62,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Where device graphs are captured, a prompt runs in steps of its own (one request, at most
     the largest captured prompt graph's tokens a step), taking turns with decode steps, so every
     step replays a graph; False lets prompts share decode steps, which then run eagerly."""
-    adaptive_speculation: bool = False
+    adaptive_speculation: bool | None = None
     """Let measured step times turn drafting off (K=0 steps) for batch sizes where verifying
-    drafts costs more than it yields (`speckernel.kernel.spec_governor`)."""
+    drafts costs more than it yields (`speckernel.kernel.spec_governor`). None: on where the
+    step graphs of a speculator that drafts inside the step are timed at start (the governor
+    then needs no plain steps to measure), off elsewhere."""
     allow_special_tokens: bool = False
     """Chat message content may spell control tokens ("<|im_end|>" becomes the token that ends a
     turn): for trusted callers only. By default such text in content is encoded as text."""

@@ -115,7 +115,7 @@ class EngineCore:
                                    async_scheduling=config.async_scheduling, pipeline=pipeline,
                                    prompt_tokens_apart=self._prompt_tokens_apart())
         self.ledger = Ledger(self.scheduler)
-        self.governor = SpecGovernor() if config.adaptive_speculation and spec is not None else None
+        self.governor = self._governor(caps, k)
         if self.governor is not None:
             self.scheduler.draft_gate = self.governor.allow
         self.dp: DataParallelGroup | None = None
@@ -165,6 +165,20 @@ class EngineCore:
         runner.graphs = self._capture_graphs(spec.caps if spec is not None else None, k)
         self._warm_kernels(k)
         return runner
+
+    def _governor(self, caps: SpeculatorCapabilities | None, k: int) -> SpecGovernor | None:
+        """The speculation governor, with its step costs timed on the captured graphs where the
+        speculator drafts inside the step (its whole cost is in them); None where it is off."""
+        adaptive, graphs = self.config.adaptive_speculation, getattr(self.runner, "graphs", None)
+        timed = caps is not None and caps.device_only and graphs is not None
+        if caps is None or adaptive is False or (adaptive is None and not timed):
+            return None
+        governor = SpecGovernor()
+        if timed and graphs is not None:
+            governor.step_costs = graphs.step_costs(k, propose=k, plain_propose=0 if caps.supports_k0 else k)
+            self.log.info("step_costs", costs={b: [round(1e3 * s, 3) for s in c]
+                                               for b, c in governor.step_costs.items()})
+        return governor
 
     def _prompt_tokens_apart(self) -> int:
         """The largest captured prompt graph's tokens, where prompts run apart (0: they share
@@ -372,6 +386,10 @@ class EngineCore:
             # Decode and verification steps only: a prefill chunk's cost says nothing about drafts.
             self.governor.record(len(frame.rows), any(r.num_drafts for r in frame.rows),
                                  self.ledger.num_generated_tokens - before, time.perf_counter() - started)
+        if self.governor is not None and frame is not None:
+            verified = [out.num_accepted + 1 for row, out in zip(frame.rows, result.rows, strict=True)
+                        if row.num_drafts and row.sampling is not None and out.error is None]
+            self.governor.record_rows(len(verified), sum(verified))
         return deltas
 
     def _count_speculator(self, error: str | None) -> None:

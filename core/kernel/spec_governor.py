@@ -8,6 +8,13 @@ not, and lets the scheduler draft only while the first is not slower than the se
 than `margin`, once it has measured enough steps of both kinds. After that it still probes
 the other way once every `explore_every` steps of the bucket, so both estimates follow the
 workload. Greedy output never depends on it: a K=0 step only decides whether drafts exist.
+
+Where the engine timed its step graphs at start (`step_costs`: a bucket's plain and drafting
+step, each a captured graph replayed), a bucket decides from those costs and the acceptance
+measured on every verifying row instead: drafting pays while the tokens a verifying row
+confirms per drafting step's second are at least (1 - margin) of one token per plain step's
+second. No plain step is spent measuring; while drafting does not pay, a bucket still drafts
+once every `explore_every` of its steps, so the acceptance follows the workload.
 """
 
 from __future__ import annotations
@@ -31,15 +38,39 @@ class _Estimate:
 
 @dataclass
 class SpecGovernor:
-    margin: float = 0.1
+    margin: float = 0.05
     explore_every: int = 32
     min_samples: int = 8
-    """Steps of each kind a bucket must have measured before drafting may be turned off."""
+    """Steps of each kind a bucket must have measured before drafting may be turned off (with
+    step costs: verifying rows measured before acceptance counts)."""
     smoothing: float = 0.2
     """Weight of the newest step in the moving averages."""
     estimates: dict[int, _Estimate] = field(default_factory=dict)
     num_vetoed: int = 0
     """Steps the governor turned into K=0 steps."""
+    step_costs: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Per bucket, seconds of a (plain, drafting) step measured at start; empty: measure online."""
+    tokens_per_row: float | None = None
+    """Moving average of the tokens a verifying row confirms in a step (its accepted drafts + 1)."""
+    num_verified_rows: int = 0
+
+    def record_rows(self, num_rows: int, tokens: int) -> None:
+        """A step's verifying rows and the tokens they confirmed (what acceptance is worth)."""
+        if num_rows <= 0:
+            return
+        per_row = tokens / num_rows
+        old = self.tokens_per_row
+        self.tokens_per_row = per_row if old is None else (1 - self.smoothing) * old + self.smoothing * per_row
+        self.num_verified_rows += num_rows
+
+    def pays(self, rows: int) -> bool | None:
+        """Whether drafting pays for a step of this many rows by the measured costs and acceptance
+        (None: no cost measured for its bucket, or too few verified rows yet)."""
+        costs = self.step_costs.get(bucket(rows))
+        if costs is None or self.tokens_per_row is None or self.num_verified_rows < self.min_samples:
+            return None
+        plain_s, drafting_s = costs
+        return self.tokens_per_row / drafting_s >= (1 - self.margin) / plain_s
 
     def record(self, rows: int, verified: bool, tokens: int, seconds: float) -> None:
         """One applied step: its rows, whether it verified drafts, tokens it confirmed, and its
@@ -60,6 +91,11 @@ class SpecGovernor:
         est = self.estimates.setdefault(bucket(rows), _Estimate())
         est.steps += 1
         explore = est.steps % self.explore_every == 0
+        if bucket(rows) in self.step_costs:  # costs measured at start: only acceptance is learnt
+            if self.pays(rows) is not False or explore:
+                return True
+            self.num_vetoed += 1
+            return False
         if est.drafted is None or est.plain is None or min(est.num_drafted, est.num_plain) < self.min_samples:
             return est.steps % 2 == 1  # measuring: alternate, so both kinds see the same load
         pays = est.drafted >= (1 - self.margin) * est.plain

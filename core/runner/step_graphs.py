@@ -14,6 +14,7 @@ buffer's spare row, padding tokens to no KV slot.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterable
 
 import torch
@@ -150,6 +151,37 @@ class StepGraphs:
             self.graphs.clear()
             return None
         return padded if padded in self.graphs else None
+
+    @torch.inference_mode()
+    def step_costs(self, width: int, propose: int, plain_propose: int,
+                   repeats: int = 3) -> dict[int, tuple[float, float]]:
+        """Seconds of a plain step (verifying nothing, proposing `plain_propose`) and of a drafting
+        one (verifying `width`, proposing `propose`) of greedy rows, for each power-of-two batch
+        size up to the largest bucket: the captured graphs, replayed on a fresh padding plan (what
+        the speculation governor weighs acceptance against). Sizes without both graphs are left out."""
+        costs: dict[int, tuple[float, float]] = {}
+        size = 1
+        while size <= 2 * self.buckets[-1]:
+            rows = next((b for b in self.buckets if b >= size), self.buckets[-1])
+            plain = self._shape(rows, 0, True, False, plain_propose)
+            drafting = self._shape(rows, width, True, False, propose)
+            if plain in self.graphs and drafting in self.graphs:
+                costs[size] = (self._seconds(plain, repeats), self._seconds(drafting, repeats))
+            if rows == self.buckets[-1]:
+                break
+            size *= 2
+        return costs
+
+    def _seconds(self, shape: StepShape, repeats: int) -> float:
+        self.runner.plan(StepFrame(-1, []), shape)
+        graph, _ = self.graphs[shape]
+        graph.replay()
+        self.platform.synchronize()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            graph.replay()
+        self.platform.synchronize()
+        return (time.perf_counter() - started) / repeats
 
     def replay(self, shape: StepShape) -> DeviceOutputs:
         graph, out = self.graphs[shape]

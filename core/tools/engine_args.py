@@ -63,8 +63,11 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-skip-drafts", action="store_true", help="never run K=0 steps (for comparison)")
     p.add_argument("--speculator-option", action="append", default=[], metavar="KEY=VALUE",
                    help="speculator-specific option, e.g. num_layers=8 for draft_model (repeatable)")
-    p.add_argument("--adaptive-speculation", action="store_true",
-                   help="turn drafting off for batch sizes where measured steps show it does not pay")
+    p.add_argument("--adaptive-speculation", action="store_const", const=True, default=None,
+                   help="turn drafting off for batch sizes where measured steps show it does not pay "
+                        "(default: where step graphs are timed at start)")
+    p.add_argument("--no-adaptive-speculation", dest="adaptive_speculation", action="store_const", const=False,
+                   help="always draft (no governor)")
     p.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
                    help="split the target's layers over N stage processes (torch.distributed, env://)")
     p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",

@@ -58,6 +58,47 @@ def test_within_margin_drafting_stays_on() -> None:
     assert all(decisions[16:])
 
 
+def costed(plain_s: float, drafting_s: float, tokens_per_row: float,
+           steps: int = 64) -> tuple[list[bool], SpecGovernor]:
+    """A governor with step costs for batch 4 (as timed at start), fed the acceptance of every
+    step that drafts."""
+    gov = SpecGovernor(explore_every=8, min_samples=4)
+    gov.step_costs = {4: (plain_s, drafting_s)}
+    decisions = []
+    for _ in range(steps):
+        allowed = gov.allow(4)
+        decisions.append(allowed)
+        if allowed:
+            gov.record_rows(100, round(100 * tokens_per_row))  # (a step's verifying rows, by the hundred)
+    return decisions, gov
+
+
+def test_with_step_costs_drafting_that_pays_never_spends_a_plain_step() -> None:
+    # 2.5 tokens a row for 1.6x the step: 1.56 tokens per plain step's time.
+    decisions, gov = costed(1.0, 1.6, 2.5)
+    assert all(decisions) and gov.num_vetoed == 0
+
+
+def test_with_step_costs_drafting_that_does_not_pay_stops_once_acceptance_is_known() -> None:
+    # 2 tokens a row for 2.5x the step: 0.8 of a plain step's rate.
+    decisions, gov = costed(1.0, 2.5, 2.0)
+    assert all(decisions[:1]), "drafts until it has measured acceptance"
+    later = decisions[8:]
+    assert sum(later) == len(later) // 8, "then only every explore_every-th step drafts"
+    assert gov.num_vetoed == len(decisions) - sum(decisions)
+
+
+def test_with_step_costs_the_margin_keeps_drafting_within_five_percent() -> None:
+    assert all(costed(1.0, 2.0, 1.92)[0]), "0.96 of plain: within the margin"
+    assert not all(costed(1.0, 2.0, 1.86)[0]), "0.93 of plain: off"
+
+
+def test_buckets_without_step_costs_measure_online() -> None:
+    gov = SpecGovernor(explore_every=8)
+    gov.step_costs = {1: (1.0, 1.1)}
+    assert [gov.allow(64) for _ in range(4)] == [True, False, True, False], "batch 64 alternates to measure"
+
+
 def test_engine_output_is_the_same_whatever_the_governor_decides() -> None:
     """A governor told that drafting pays (or never does) changes how many drafts run, never
     the greedy tokens."""
@@ -89,3 +130,35 @@ def test_engine_output_is_the_same_whatever_the_governor_decides() -> None:
     drafted_on, drafted_off = (c.stats()["spec"]["num_draft_tokens"] for c in (on, off))
     assert drafted_on > 0 and drafted_off < drafted_on / 2, (drafted_on, drafted_off)
     assert off.stats()["spec"]["num_governor_vetoes"] > 0 and off.stats()["spec"]["num_k0_steps"] > 0
+
+
+def test_engine_with_step_costs_that_say_drafting_loses_runs_k0_steps_and_keeps_the_output() -> None:
+    """Costs as the start-up timing would give them for every batch size: drafting at 10x the
+    plain step's cost never pays, so once acceptance is measured the steps run K=0; the greedy
+    tokens are the plain run's."""
+    rng = np.random.default_rng(6)
+    prompts = [(rng.integers(0, 40, 6).tolist() * 4)[: 10 + 2 * i] for i in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run(**kw: object) -> tuple[dict[int, list[int]], EngineCore]:
+        core = EngineCore(EngineConfig(model="random:tiny", platform="cpu", dtype="float32", max_model_len=128,
+                                       max_num_seqs=4, num_kv_blocks=64, **kw))  # type: ignore[arg-type]
+        if core.governor is not None:
+            core.governor.step_costs = {b: (1.0, 10.0) for b in (1, 2, 4)}
+            core.governor.min_samples = 2
+        for key, p in enumerate(prompts):
+            assert core.add_request(AddRequest(key, p, params)) is None
+        out: dict[int, list[int]] = {key: [] for key in range(len(prompts))}
+        while core.scheduler.requests:
+            for delta in core.step():
+                out[delta.key] += delta.new_token_ids
+        return out, core
+
+    plain, _ = run()
+    spec = {"speculator": "ngram", "num_speculative_tokens": 3}
+    assert run(**spec)[1].governor is None, "no step graphs on the CPU: no governor unless asked for"
+    governed, core = run(adaptive_speculation=True, **spec)
+    assert governed == plain
+    stats = core.stats()["spec"]
+    assert stats["num_governor_vetoes"] > 10 and stats["num_k0_steps"] > 10, stats
+    assert core.governor is not None and core.governor.num_verified_rows > 0

@@ -58,8 +58,11 @@ def speculator_flags(p: argparse.ArgumentParser, default_help: str) -> None:
     p.add_argument("--draft-model", default=None, help="checkpoint for the speculator (default: its own default)")
     p.add_argument("--speculator-option", action="append", default=[], metavar="KEY=VALUE",
                    help="speculator-specific option (repeatable)")
-    p.add_argument("--adaptive-speculation", action="store_true",
-                   help="let measured step times turn drafting off where it does not pay")
+    p.add_argument("--adaptive-speculation", action="store_const", const=True, default=None,
+                   help="let measured step times turn drafting off where it does not pay "
+                        "(default: where step graphs are timed at start)")
+    p.add_argument("--no-adaptive-speculation", dest="adaptive_speculation", action="store_const", const=False,
+                   help="always draft (no governor)")
 
 
 def int_list(text: str) -> list[int]:

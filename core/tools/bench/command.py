@@ -63,7 +63,7 @@ def with_speculator(config: EngineConfig, args: argparse.Namespace, name: str | 
     options = option_text.split(",") if option_text else args.speculator_option
     return msgspec.structs.replace(config, speculator=spec, num_speculative_tokens=k,
                                    draft_model=args.draft_model,
-                                   adaptive_speculation=getattr(args, "adaptive_speculation", False),
+                                   adaptive_speculation=getattr(args, "adaptive_speculation", None),
                                    speculator_options=parse_options(options))
 
 

@@ -65,8 +65,8 @@ def server_flags(args: argparse.Namespace, speculator: str | None) -> list[str]:
             flags += ["--speculator-option", option]
         if args.draft_model:
             flags += ["--draft-model", args.draft_model]
-        if args.adaptive_speculation:
-            flags.append("--adaptive-speculation")
+        if args.adaptive_speculation is not None:
+            flags.append("--adaptive-speculation" if args.adaptive_speculation else "--no-adaptive-speculation")
     return flags
 
 
