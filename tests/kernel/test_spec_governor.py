@@ -3,6 +3,8 @@ not, per batch size, still probing the other way now and then; greedy output nev
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from speckernel.config import EngineConfig
@@ -99,33 +101,41 @@ def test_buckets_without_step_costs_measure_online() -> None:
     assert [gov.allow(64) for _ in range(4)] == [True, False, True, False], "batch 64 alternates to measure"
 
 
-def test_engine_output_is_the_same_whatever_the_governor_decides() -> None:
-    """A governor told that drafting pays (or never does) changes how many drafts run, never
-    the greedy tokens."""
+def run_engine(tune: Callable[[SpecGovernor], None] | None = None,
+               **kw: object) -> tuple[dict[int, list[int]], EngineCore]:
+    """Four greedy requests with repetitive prompts (ngram finds drafts) on a random tiny model;
+    `tune` adjusts the engine's governor, if it has one, before they run."""
     rng = np.random.default_rng(5)
     prompts = [(rng.integers(0, 40, 6).tolist() * 4)[: 10 + 2 * i] for i in range(4)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    core = EngineCore(EngineConfig(model="random:tiny", platform="cpu", dtype="float32", max_model_len=128,
+                                   max_num_seqs=4, num_kv_blocks=64, **kw))  # type: ignore[arg-type]
+    if core.governor is not None and tune is not None:
+        tune(core.governor)
+    for key, p in enumerate(prompts):
+        assert core.add_request(AddRequest(key, p, params)) is None
+    out: dict[int, list[int]] = {key: [] for key in range(len(prompts))}
+    while core.scheduler.requests:
+        for delta in core.step():
+            out[delta.key] += delta.new_token_ids
+    return out, core
 
-    def run(pays: bool | None = None, **kw: object) -> tuple[dict[int, list[int]], EngineCore]:
-        core = EngineCore(EngineConfig(model="random:tiny", platform="cpu", dtype="float32", max_model_len=128,
-                                       max_num_seqs=4, num_kv_blocks=64, **kw))  # type: ignore[arg-type]
-        if core.governor is not None:
-            gov = core.governor
+
+def test_engine_output_is_the_same_whatever_the_governor_decides() -> None:
+    """A governor told that drafting pays (or never does) changes how many drafts run, never
+    the greedy tokens."""
+
+    def told(pays: bool) -> Callable[[SpecGovernor], None]:
+        def tune(gov: SpecGovernor) -> None:
             gov.min_samples, gov.explore_every = 2, 64  # a short run: decide early
             gov.record = lambda rows, verified, tokens, seconds: SpecGovernor.record(  # type: ignore[method-assign]
                 gov, rows, verified, 3 if verified == pays else 1, 1.0)
-        for key, p in enumerate(prompts):
-            assert core.add_request(AddRequest(key, p, params)) is None
-        out: dict[int, list[int]] = {key: [] for key in range(len(prompts))}
-        while core.scheduler.requests:
-            for delta in core.step():
-                out[delta.key] += delta.new_token_ids
-        return out, core
+        return tune
 
-    plain, _ = run()
+    plain, _ = run_engine()
     spec = {"speculator": "ngram", "num_speculative_tokens": 3, "adaptive_speculation": True}
-    paying, on = run(True, **spec)
-    losing, off = run(False, **spec)
+    paying, on = run_engine(told(True), **spec)
+    losing, off = run_engine(told(False), **spec)
     assert paying == plain and losing == plain
     drafted_on, drafted_off = (c.stats()["spec"]["num_draft_tokens"] for c in (on, off))
     assert drafted_on > 0 and drafted_off < drafted_on / 2, (drafted_on, drafted_off)
@@ -136,28 +146,15 @@ def test_engine_with_step_costs_that_say_drafting_loses_runs_k0_steps_and_keeps_
     """Costs as the start-up timing would give them for every batch size: drafting at 10x the
     plain step's cost never pays, so once acceptance is measured the steps run K=0; the greedy
     tokens are the plain run's."""
-    rng = np.random.default_rng(6)
-    prompts = [(rng.integers(0, 40, 6).tolist() * 4)[: 10 + 2 * i] for i in range(4)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
-    def run(**kw: object) -> tuple[dict[int, list[int]], EngineCore]:
-        core = EngineCore(EngineConfig(model="random:tiny", platform="cpu", dtype="float32", max_model_len=128,
-                                       max_num_seqs=4, num_kv_blocks=64, **kw))  # type: ignore[arg-type]
-        if core.governor is not None:
-            core.governor.step_costs = {b: (1.0, 10.0) for b in (1, 2, 4)}
-            core.governor.min_samples = 2
-        for key, p in enumerate(prompts):
-            assert core.add_request(AddRequest(key, p, params)) is None
-        out: dict[int, list[int]] = {key: [] for key in range(len(prompts))}
-        while core.scheduler.requests:
-            for delta in core.step():
-                out[delta.key] += delta.new_token_ids
-        return out, core
+    def losing(gov: SpecGovernor) -> None:
+        gov.step_costs = {b: (1.0, 10.0) for b in (1, 2, 4)}
+        gov.min_samples = 2
 
-    plain, _ = run()
+    plain, _ = run_engine()
     spec = {"speculator": "ngram", "num_speculative_tokens": 3}
-    assert run(**spec)[1].governor is None, "no step graphs on the CPU: no governor unless asked for"
-    governed, core = run(adaptive_speculation=True, **spec)
+    assert run_engine(**spec)[1].governor is None, "no step graphs on the CPU: no governor unless asked for"
+    governed, core = run_engine(losing, adaptive_speculation=True, **spec)
     assert governed == plain
     stats = core.stats()["spec"]
     assert stats["num_governor_vetoes"] > 10 and stats["num_k0_steps"] > 10, stats
