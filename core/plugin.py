@@ -272,6 +272,11 @@ class TrainBatch:
     requested layer."""
     target: TargetModel
     """The target's embedding, final norm and head (frozen)."""
+    counted: int | None = None
+    """How many entries of `mask` are True, counted on the host when the batch was made (None:
+    not known). A loss that gathers the positions whose label counts sizes its gather by this
+    bound: a gather sized by the mask itself (`x[mask]`) reads the device back, a host sync in
+    every training step."""
 
 
 class SpeculatorBase:
@@ -327,8 +332,10 @@ class TrainableDrafter(Protocol):
     @property
     def config(self) -> DrafterArchitecture: ...
 
-    def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Training loss on one batch, and named figures for the progress bar and the log."""
+    def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]:
+        """Training loss on one batch, and named figures for the progress bar and the log: 0-dim
+        tensors left on the device, which the trainer reads together once per log interval (a
+        float costs a host sync in every step, which keeps the GPU waiting for the host)."""
         ...
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...

@@ -44,6 +44,7 @@ from speckernel.speculators.learned import (
     LearnedSpeculator,
     Rope,
     cache_slots,
+    counted_positions,
     masked_attention,
 )
 
@@ -82,7 +83,10 @@ class ChainModule(DrafterModule):
         """Target token id -> drafter vocabulary index (-1: not in it)."""
         return labels
 
-    def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Each run's cross-entropy over the positions whose label counts, weighted by STEP_DECAY,
+        and its top-1 accuracy. The head runs on those positions only, gathered to a size the
+        host knows (`batch.counted`), so nothing in the step waits for the device."""
         tokens, labels, mask = batch.tokens, batch.labels, batch.mask
         b, t = tokens.shape
         device = tokens.device
@@ -95,11 +99,11 @@ class ChainModule(DrafterModule):
         values: list[torch.Tensor] = []
         total = torch.zeros((), device=device)
         weight_sum = 0.0
-        metrics: dict[str, float] = {}
+        metrics: dict[str, torch.Tensor] = {}
         steps = self.config.num_steps
         for j in range(steps):
             where = (base + j).clamp(max=t - 1)
-            valid = mask[:, where] & (base + j < t)[None]
+            valid = mask[:, where] & (base + j < t)[None]  # its count is at most the mask's
             cos, sin = self.rope(base + j)
             mask_j = self._ttt_mask(t, j, device)
 
@@ -111,14 +115,15 @@ class ChainModule(DrafterModule):
 
             out = self.run(embedded[:, where], feature, cos.expand(b, -1, -1), sin.expand(b, -1, -1), attend)
             lab = self.to_draft_index(labels[:, where])
-            valid = valid & (lab >= 0)
-            logits = self.logits(out[valid], batch.target)
-            step_loss = F.cross_entropy(logits, lab[valid]) if logits.shape[0] else logits.sum() * 0
+            index, weight = counted_positions(valid & (lab >= 0), batch.counted)
+            want = lab.reshape(-1).index_select(0, index).clamp(min=0)  # padding: any id, weight 0
+            logits = self.logits(out.reshape(b * t, -1).index_select(0, index), batch.target)
+            counted = weight.sum().clamp(min=1)
+            step_loss = (F.cross_entropy(logits, want, reduction="none") * weight).sum() / counted
             total = total + STEP_DECAY**j * step_loss
             weight_sum += STEP_DECAY**j
             with torch.no_grad():
-                hits = (logits.argmax(-1) == lab[valid]).float()
-                metrics[f"acc{j + 1}"] = float(hits.mean()) if hits.numel() else 0.0
+                metrics[f"acc{j + 1}"] = ((logits.argmax(-1) == want).float() * weight).sum() / counted
             feature = out
         return total / weight_sum, metrics
 

@@ -192,28 +192,29 @@ class DFlashDrafter(DrafterModule):
     def position_weights(self, device: torch.device) -> torch.Tensor:
         return torch.exp(-torch.arange(self.config.block_size - 1, device=device, dtype=torch.float32) / DECAY)
 
-    def head_loss(self, blocks: TrainBlocks, target: TargetModel) -> tuple[torch.Tensor, dict[str, float]]:
+    def head_loss(self, blocks: TrainBlocks, target: TargetModel) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert target.head is not None
         logits = target.head(blocks.hidden.reshape(-1, blocks.hidden.shape[-1]))
         return weighted_ce(logits.view(*blocks.labels.shape, -1), blocks, self.position_weights(logits.device))
 
-    def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.head_loss(self.train_blocks(batch), batch.target)
 
 
 def weighted_ce(logits: torch.Tensor, blocks: TrainBlocks, weights: torch.Tensor
-                ) -> tuple[torch.Tensor, dict[str, float]]:
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Position-weighted cross-entropy of logits [B, A, P, V]; top-1 accuracy at position 1 and
-    over all positions."""
+    over all positions (left on the device: the trainer reads them once per log interval)."""
     labels, valid = blocks.labels, blocks.valid
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                          reduction="none").view(labels.shape)
     w = weights * valid
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
-    hit = (logits.argmax(dim=-1) == labels) & valid
-    figures = torch.stack([hit.sum() / valid.sum().clamp(min=1),
-                           hit[..., 0].sum() / valid[..., 0].sum().clamp(min=1), loss.detach()]).tolist()
-    return loss, {"acc": figures[0], "acc_1": figures[1], "ce": figures[2]}
+    with torch.no_grad():
+        hit = (logits.argmax(dim=-1) == labels) & valid
+        figures = {"acc": hit.sum() / valid.sum().clamp(min=1),
+                   "acc_1": hit[..., 0].sum() / valid[..., 0].sum().clamp(min=1), "ce": loss.detach()}
+    return loss, figures
 
 
 # --- the speculator ----------------------------------------------------------------------------

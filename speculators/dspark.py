@@ -60,7 +60,7 @@ class DSparkDrafter(DFlashDrafter):
             conf.append(torch.sigmoid(self.confidence(h).float()[:, 0]))
         return torch.stack(drafts, dim=1), torch.stack(conf, dim=1)
 
-    def head_loss(self, blocks: TrainBlocks, target: TargetModel) -> tuple[torch.Tensor, dict[str, float]]:
+    def head_loss(self, blocks: TrainBlocks, target: TargetModel) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         h = self.markov(blocks.hidden, blocks.prev, target)
         assert target.head is not None
         logits = target.head(h.reshape(-1, h.shape[-1])).view(*blocks.labels.shape, -1)
@@ -69,7 +69,7 @@ class DSparkDrafter(DFlashDrafter):
         bce = F.binary_cross_entropy_with_logits(self.confidence(h.detach()).float()[..., 0], hit, reduction="none")
         valid = blocks.valid.float()
         bce = (bce * valid).sum() / valid.sum().clamp(min=1)
-        return ce + CONFIDENCE_WEIGHT * bce, {**figures, "conf_bce": bce.item()}
+        return ce + CONFIDENCE_WEIGHT * bce, {**figures, "conf_bce": bce.detach()}
 
 
 class DSparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

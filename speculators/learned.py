@@ -360,6 +360,21 @@ def causal_mask(n: int, device: torch.device) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
+GATHER_ROUND = 64
+"""Gather sizes are rounded up to a multiple of this, so the shapes of training steps recur."""
+
+
+def counted_positions(valid: torch.Tensor, bound: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `x[valid]` selects, without reading the device back to size it (a host sync each
+    training step): the flat indices of valid's True entries in order, padded to a size the host
+    knows, and a float weight per index (1 for a True entry, 0 for padding). `bound` is at least
+    the number of True entries (`TrainBatch.counted`; None: every entry)."""
+    flat = valid.reshape(-1)
+    size = flat.numel() if bound is None else min(flat.numel(), -(-bound // GATHER_ROUND) * GATHER_ROUND)
+    index = torch.sort(flat.logical_not().to(torch.uint8), stable=True).indices[:size]
+    return index, flat.index_select(0, index).to(torch.float32)
+
+
 # --- the speculator side ---------------------------------------------------------------------
 
 
@@ -386,8 +401,9 @@ class DrafterModule(nn.Module):
 
     config: DrafterConfig
 
-    def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Training loss on one batch, and named figures for the progress bar and the log."""
+    def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Training loss on one batch, and named figures (0-dim tensors, left on the device) for
+        the progress bar and the log."""
         raise NotImplementedError
 
     def check_state(self, state: dict[str, torch.Tensor]) -> None:

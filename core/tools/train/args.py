@@ -78,7 +78,13 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--log-every", type=int, default=50,
-                   help="steps between progress lines on stderr when it is not a terminal (a bar shows otherwise)")
+                   help="steps between reads of the training figures from the device (the only host sync of "
+                        "training besides measuring and saving) and progress lines on stderr when it is not a "
+                        "terminal (a bar shows otherwise): each figure's mean over the interval, training tokens/s "
+                        "and GPU utilisation")
+    p.add_argument("--sync-check", action="store_true",
+                   help="on CUDA, fail at the first host sync inside a training step (torch.cuda.set_sync_debug_mode): "
+                        "a check that steps never make the GPU wait for the host")
     p.add_argument("--holdout", type=float, default=0.02,
                    help="share of the prompts kept out of training (chosen by a hash of the prompt, so every "
                         "answer to one prompt is on the same side) to measure the drafter on; 0: none")

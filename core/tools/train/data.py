@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,7 +160,10 @@ class TargetFeatures:
         self.target = TargetModel(cfg, model.embed, model.norm, model.logits, None)
 
     @torch.no_grad()
-    def batch(self, tokens: torch.Tensor, mask: torch.Tensor, label_chunk: int = 8192) -> TrainBatch:
+    def batch(self, tokens: torch.Tensor, mask: torch.Tensor, counted: int | None = None,
+              label_chunk: int = 8192) -> TrainBatch:
+        """The target's forward over tokens [B, T]; `counted` is how many entries of mask are
+        True when the host knows it (`TrainBatch.counted`)."""
         b, t = tokens.shape
         device = tokens.device
         backend = DenseCausalAttention(b, t, self.kv_layers)
@@ -171,13 +175,14 @@ class TargetFeatures:
         labels = torch.cat([self.model.logits(chunk).argmax(-1) for chunk in final.split(label_chunk)])
         return TrainBatch(tokens=tokens, labels=labels.view(b, t), mask=mask,
                           hidden={layer: h.view(b, t, -1) for layer, h in captured.items()},
-                          kv=backend.kept, target=self.target)
+                          kv=backend.kept, target=self.target, counted=counted)
 
 
-def batches(data: Sequences, batch_size: int, length: int, rng: np.random.Generator,
-            device: torch.device) -> Any:
-    """Endless random batches [B, length]: each row one sequence (cut to length, right-padded);
-    the mask covers the answer's positions whose next token the target wrote, not the padding."""
+def batches(data: Sequences, batch_size: int, length: int, rng: np.random.Generator
+            ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Endless random batches [B, length] on the host (`feed.DeviceFeed` moves them): each row one
+    sequence (cut to length, right-padded); the mask covers the answer's positions whose next
+    token the target wrote, not the padding."""
     while True:
         pick = rng.integers(len(data), size=batch_size)
         tokens = np.zeros((batch_size, length), np.int64)
@@ -187,7 +192,7 @@ def batches(data: Sequences, batch_size: int, length: int, rng: np.random.Genera
             seq = seq[:length]
             tokens[row, : len(seq)] = seq
             mask[row, max(prompt_len - 1, 0) : len(seq) - 1] = True
-        yield torch.from_numpy(tokens).to(device), torch.from_numpy(mask).to(device)
+        yield tokens, mask
 
 
 def label_counts(data: Sequences, vocab_size: int) -> torch.Tensor:

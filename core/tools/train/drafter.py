@@ -10,7 +10,9 @@
    part of a step, runs once for all of them, and each learns exactly what it would alone.
    The methods are the discovered speculators whose capabilities say `trainable`: they have
    the training protocol of `speckernel.plugin.TrainableSpeculator`, so a third-party drafter
-   trains here as the built-in ones do.
+   trains here as the built-in ones do. A step never waits for the device (`step`, `feed`):
+   its figures stay there until the log interval (`--log-every`) reads them all at once, and the
+   progress line gives the interval's training tokens/s and GPU utilisation (`meter`).
 3. Output: `--out` holds `config.json` + `model.safetensors` (what `--draft-model` loads), a
    resumable `state.pt` written every `--save-every` steps, `train_log.json` and `loss.png`.
    Running the same command again resumes where the last one stopped.
@@ -24,7 +26,6 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +40,13 @@ from ...errors import InvalidInputError
 from ...model_config import ModelConfig
 from ...models.checkpoint import read_config, resolve
 from ...models.loader import load_model
-from ...plugin import FitsVocabulary, TrainableDrafter, TrainableSpeculator
+from ...plugin import FitsVocabulary
 from .args import trainable
 from .corpus import build_corpus, read_corpus
 from .data import Sequences, TargetFeatures, batches, generate, label_counts
+from .feed import DeviceBatch, DeviceFeed
+from .meter import Meter
+from .step import Figures, MethodRun, read_figures, syncs_fail, train_step
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -106,42 +110,27 @@ def lr_at(step: int, args: argparse.Namespace, elapsed_s: float) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
 
 
-@dataclass
-class MethodRun:
-    """One method's training: its drafter, optimizer, log and folder."""
-
-    method: str
-    cls: type[TrainableSpeculator]
-    drafter: TrainableDrafter
-    optimizer: torch.optim.Optimizer
-    params: list[torch.nn.Parameter]
-    out: Path
-    log: list[dict[str, float]] = field(default_factory=list)
-    step: int = 0
-
-    def save_state(self) -> None:
-        torch.save({"model": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
-                    "log": self.log}, self.out / "state.tmp")
-        (self.out / "state.tmp").replace(self.out / "state.pt")
-
-
-def evaluate(runs: list[MethodRun], features: TargetFeatures, held: list[tuple[torch.Tensor, torch.Tensor]],
-             device: torch.device) -> None:
+def evaluate(runs: list[MethodRun], features: TargetFeatures, held: list[DeviceBatch], device: torch.device) -> None:
     """Each run's loss and figures on the fixed held-out batches, added to its last log entry as
     val_*. Seeded per batch (the same anchors every time, alone or beside other methods), inside a
-    forked RNG, so measuring changes nothing that training draws next."""
-    sums: dict[str, dict[str, float]] = {r.method: {} for r in runs}
+    forked RNG, so measuring changes nothing that training draws next. The figures are read from
+    the device once, after the last batch."""
     for r in runs:
+        r.flush()
         r.drafter.eval()
+    measured: list[tuple[str, Figures]] = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-        for i, (tokens, mask) in enumerate(held):
-            batch = features.batch(tokens, mask)
+        for i, fed in enumerate(held):
+            batch = features.batch(fed.tokens, fed.mask, fed.counted)
             for r in runs:
                 torch.manual_seed(i)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                     loss, metrics = r.drafter.loss(batch)
-                for k, v in {"loss": float(loss), **metrics}.items():
-                    sums[r.method][k] = sums[r.method].get(k, 0.0) + float(v) / len(held)
+                measured.append((r.method, {"loss": loss, **metrics}))
+    sums: dict[str, dict[str, float]] = {r.method: {} for r in runs}
+    for (method, _), values in zip(measured, read_figures([f for _, f in measured]), strict=True):
+        for k, v in values.items():
+            sums[method][k] = sums[method].get(k, 0.0) + v / len(held)
     for r in runs:
         r.drafter.train()
         r.log[-1].update({f"val_{k}": v for k, v in sums[r.method].items()})
@@ -172,7 +161,8 @@ def start_method(args: argparse.Namespace, method: str, out: Path, init: Path | 
     elif isinstance(drafter, FitsVocabulary):
         drafter.fit_vocab(label_counts(data, target_cfg.vocab_size))
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    # fused: one kernel for all parameters, its step counts on the device (not read by the host)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
     run = MethodRun(method, cls, drafter, optimizer, params, out)
     if (out / "state.pt").exists():  # resume
         state = torch.load(out / "state.pt", map_location=device, weights_only=False)
@@ -211,55 +201,51 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                               tuple(sorted({layer for r in runs for layer in r.drafter.config.kv_layers})))
     first = min(r.step for r in runs)
     held = [] if not len(held_data) else list(itertools.islice(
-        batches(held_data, args.batch_size, args.seq_len, np.random.default_rng([args.seed, 1]), device),
+        DeviceFeed(batches(held_data, args.batch_size, args.seq_len, np.random.default_rng([args.seed, 1])), device),
         args.eval_batches))
     print(f"train-drafter: training on {len(data)} sequences, {len(held_data)} held out", file=sys.stderr)
     rng = np.random.default_rng(args.seed + first)
-    stream = batches(data, args.batch_size, args.seq_len, rng, device)
+    feed = DeviceFeed(batches(data, args.batch_size, args.seq_len, rng), device)
+    meter = Meter(device)
     started = time.monotonic()
     name = "+".join(r.method for r in runs)
     bar = tqdm(total=args.steps, initial=first, desc=f"training {name}", unit="step", file=sys.stderr, disable=None)
     log_every = max(1, args.log_every)
+    shown = {r.method: len(r.log) for r in runs}
     for r in runs:
         r.drafter.train()
     with bar:
         while any(r.step < args.steps for r in runs):
             if args.minutes and time.monotonic() - started > 60 * args.minutes:
                 break
-            tokens, mask = next(stream)
-            batch = features.batch(tokens, mask)
-            postfix: dict[str, str] = {}
             stepped = [r for r in runs if r.step < args.steps]
-            for r in stepped:
-                for group in r.optimizer.param_groups:
-                    group["lr"] = lr_at(r.step, args, time.monotonic() - started)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
-                    loss, metrics = r.drafter.loss(batch)
-                r.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(r.params, 1.0)
-                r.optimizer.step()
-                r.step += 1
-                entry = {"step": r.step, "loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
-                r.log.append(entry)
-                if len(runs) == 1:
-                    postfix.update({k: f"{v:.3f}" for k, v in entry.items() if k != "step"})
-                else:
-                    postfix[r.method] = f"{entry['loss']:.3f}"
+            lrs = [lr_at(r.step, args, time.monotonic() - started) for r in stepped]
+            meter.begin()
+            with syncs_fail(args.sync_check and on_gpu):
+                tokens = train_step(stepped, features, feed, lrs)
+            meter.end(tokens)
+            bar.update(1)
+            step = max(r.step for r in stepped)
+            if step % log_every == 0 or step == args.steps:  # the log interval: the device is read here
+                for r in runs:
+                    r.flush()
+                postfix = interval_postfix(runs, shown, meter.read(), meter)
+                bar.set_postfix(postfix)
+                if bar.disable:  # no bar: a line now and then
+                    rate = (step - first) / max(time.monotonic() - started, 1e-9)
+                    figures = ", ".join(f"{k} {v}" for k, v in postfix.items())
+                    print(f"train-drafter: {name} step {step}/{args.steps}, {figures}, {rate:.2f} steps/s",
+                          file=sys.stderr, flush=True)
             due = [r for r in stepped if r.step % args.eval_every == 0]
             if held and due:
                 evaluate(due, features, held, device)
             for r in stepped:
                 if r.step % args.save_every == 0:
                     r.save_state()
-            bar.set_postfix(postfix)
-            bar.update(1)
-            step = max(r.step for r in stepped)
-            if bar.disable and (step % log_every == 0 or step == args.steps):  # no bar: a line now and then
-                rate = (step - first) / max(time.monotonic() - started, 1e-9)
-                figures = ", ".join(f"{k} {v}" for k, v in postfix.items())
-                print(f"train-drafter: {name} step {step}/{args.steps}, {figures}, {rate:.2f} steps/s",
-                      file=sys.stderr, flush=True)
+    for r in runs:
+        r.flush()
+    meter.read()
+    meter.close()
     elapsed = time.monotonic() - started
     last = [r for r in runs if r.log and "val_loss" not in r.log[-1]]
     if held and last:
@@ -273,13 +259,34 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                    "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr, "sequences": len(data),
                    "held_out": len(held_data), "trained_with": [x.method for x in runs],
                    "config": msgspec.to_builtins(r.drafter.config), "final": r.log[-1] if r.log else {},
-                   "device": str(device)}
+                   "device": str(device), "throughput": meter.total()}
         (r.out / "train_log.json").write_text(train_log_text(summary, r.log))
         plot_loss(r.log, r.out / "loss.png", r.method)
         print(f"train-drafter: {r.method} {r.step} steps, {n_params / 1e6:.1f}M parameters -> {r.out}",
               file=sys.stderr)
         summaries[r.method] = summary
     return summaries[runs[0].method] if len(runs) == 1 else {"methods": summaries}
+
+
+def interval_postfix(runs: list[MethodRun], shown: dict[str, int], rates: dict[str, float],
+                     meter: Meter) -> dict[str, str]:
+    """The progress figures of the log interval just read: each figure's mean over the
+    interval's steps (only the loss, per method, for several methods), training tokens/s and
+    GPU utilisation with where it comes from. `shown` is how much of each log was shown before."""
+    postfix: dict[str, str] = {}
+    for r in runs:
+        new = [{k: v for k, v in e.items() if k != "step" and not k.startswith("val_")}
+               for e in r.log[shown[r.method]:]]
+        shown[r.method] = len(r.log)
+        means = {k: sum(e[k] for e in new if k in e) / sum(k in e for e in new) for k in (new[-1] if new else {})}
+        if len(runs) == 1:
+            postfix.update({k: f"{v:.3f}" for k, v in means.items()})
+        elif "loss" in means:
+            postfix[r.method] = f"{means['loss']:.3f}"
+    postfix["tokens/s"] = f"{rates['tokens_per_s']:.0f}"
+    if "gpu_util" in rates and meter.gpu is not None:
+        postfix["gpu"] = f"{rates['gpu_util']:.0f}% ({meter.gpu.source})"
+    return postfix
 
 
 def train_log_text(summary: dict[str, Any], log: list[dict[str, float]]) -> str:
