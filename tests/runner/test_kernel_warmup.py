@@ -23,12 +23,12 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU count
 
 def record_variants(monkeypatch: pytest.MonkeyPatch) -> set[tuple[str, tuple[Any, ...]]]:
     """Every (kernel, constexprs and launch options) launched from now on."""
-    from speckernel.ops import fused_ops, triton_attention
+    from speckernel.ops import fused_ops, small_batch, triton_attention
     from speckernel.runner import sampler, verify
 
     seen: set[tuple[str, tuple[Any, ...]]] = set()
     kernels = [*vars(triton_attention._kernels()).values(), *vars(fused_ops._kernels()).values(),
-               sampler._race_kernel(), verify._triton_kernel()]
+               *vars(small_batch._kernels()).values(), sampler._race_kernel(), verify._triton_kernel()]
     for kernel in kernels:
         run = kernel.run
 
