@@ -50,7 +50,7 @@ from __future__ import annotations
 import functools
 import os
 from types import SimpleNamespace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -76,13 +76,14 @@ class Tile(NamedTuple):
 ANY = 1 << 62
 TILES: tuple[tuple[str, int, int, Tile], ...] = (
     # kind, K up to, N up to (N: the weight's rows), tile. First match wins.
-    # First guesses by bytes in flight per SM; `speckernel bench kernels --sweep` prints rows to paste here.
+    # First guesses, not yet measured: at least one program per SM (an H200 has 132) with 16-48 KB
+    # of weight in flight each. `speckernel bench kernels --sweep` prints measured rows to paste here.
     ("rope", 1024, ANY, Tile(16, 64, 4, 4)),
-    ("rope", ANY, ANY, Tile(32, 256, 4, 3)),
+    ("rope", ANY, ANY, Tile(16, 256, 4, 4)),
     ("silu", 1024, ANY, Tile(16, 64, 4, 4)),
     ("silu", ANY, ANY, Tile(32, 256, 4, 3)),
     ("residual", 2048, ANY, Tile(16, 128, 4, 4)),
-    ("residual", ANY, ANY, Tile(32, 256, 4, 3)),
+    ("residual", ANY, ANY, Tile(16, 256, 4, 4)),
     ("plain", 1024, ANY, Tile(64, 64, 4, 4)),
     ("plain", ANY, ANY, Tile(64, 256, 4, 3)),
 )
@@ -244,53 +245,71 @@ def _kernels() -> SimpleNamespace:
     return SimpleNamespace(fused_linear=fused_linear_kernel)
 
 
-def _launch(kind: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile | None, *,
-            norm: tuple[torch.Tensor, float] | None = None, bias: torch.Tensor | None = None,
-            residual: torch.Tensor | None = None, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-            heads: tuple[int, int, int] = (0, 0, 1), qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-            cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """One launch of the kernel. x [M, K] and w [N, K] contiguous; heads (q heads, kv heads,
-    head_dim) for rope; cache (one layer's kv [2, slots, kv_heads, head_dim], slot_mapping [T])."""
+class Launch(NamedTuple):
+    """One launch of the kernel: its grid, positional arguments and constexprs with launch options."""
+
+    grid: int
+    args: tuple[Any, ...]
+    meta: dict[str, Any]
+
+
+def plan(kind: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile | None, *,
+         norm: tuple[torch.Tensor, float] | None = None, bias: torch.Tensor | None = None,
+         residual: torch.Tensor | None = None, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+         heads: tuple[int, int, int] = (0, 0, 1), qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+         cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launch:
+    """The launch for x [M, K] and w [N, K] (contiguous) under an epilogue (`KINDS`); heads (q heads,
+    kv heads, head_dim) for rope; cache (one layer's kv [2, slots, kv_heads, head_dim], slot_mapping
+    [T]). Reads shapes, strides and dtypes only (meta tensors plan too)."""
     m, k = x.shape
     n = w.shape[0]
     assert m <= MAX_ROWS and w.shape[1] == k and x.is_contiguous() and w.is_contiguous(), (x.shape, w.shape)
     tile = tile or tile_for(kind, k, n)
-    block_n = tile.block_n
+    block_n, block_k = tile.block_n, tile.block_k
     nh, nkv, hd = heads
     paired = kind in ("rope", "silu")
     half = hd // 2 if kind == "rope" else n // 2 if kind == "silu" else 0
     per_head = 1
     if kind == "rope":
-        # A program holds rows of one head; with the q/k norm it holds the whole head.
+        # A program holds rows of one head; with the q/k norm it holds the whole head, in K steps
+        # shortened to keep the tile's bytes (and shared memory) what the table planned.
         block_n = max(16, _next_pow2(half)) if qk_norm is not None else min(block_n, max(16, _next_pow2(half)))
+        if block_n > tile.block_n:
+            block_k = max(16, block_k * tile.block_n // block_n)
         per_head = -(-half // block_n)
         grid = (nh + 2 * nkv) * per_head
     elif kind == "silu":
         grid = -(-half // block_n)
     else:
         grid = -(-n // block_n)
-    if m == 0:
-        return
     pos, cos, sin = rope if rope is not None else (x, x, x)
     qn, kn, qk_eps = qk_norm if qk_norm is not None else (x, x, 0.0)
     kv, slots = cache if cache is not None else (x, x)
     kv_strides = (kv.stride(0), kv.stride(1), kv.stride(2)) if cache is not None else (0, 0, 0)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    _kernels().fused_linear[(grid,)](
-        x, x if norm is None else norm[0], w, x if bias is None else bias, x if residual is None else residual, out,
-        pos, cos, sin, qn, kn, slots, kv,
-        m, 0.0 if norm is None else norm[1], qk_eps,
-        x.stride(0), w.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
-        cos.stride(0) if rope is not None else 0, sin.stride(0) if rope is not None else 0, *kv_strides,
+    args = (x, x if norm is None else norm[0], w, x if bias is None else bias, x if residual is None else residual, out,
+            pos, cos, sin, qn, kn, slots, kv,
+            m, 0.0 if norm is None else norm[1], qk_eps,
+            x.stride(0), w.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+            cos.stride(0) if rope is not None else 0, sin.stride(0) if rope is not None else 0, *kv_strides)
+    return Launch(grid, args, dict(
         K=k, N=n, NORM=norm is not None, HAS_BIAS=bias is not None,
         ROPE=kind == "rope", SILU=kind == "silu", RESIDUAL=kind == "residual", PAIRED=paired,
         ROWS=2 * block_n if paired else block_n,
         HALF=half, PER_HEAD=per_head, Q_HEADS=nh, ROPE_HEADS=nh + nkv, QK_NORM=qk_norm is not None,
-        WRITE_KV=cache is not None, EVEN_K=k % tile.block_k == 0,
-        BLOCK_N=block_n, BLOCK_K=tile.block_k, BLOCK_M=MAX_ROWS,
+        WRITE_KV=cache is not None, EVEN_K=k % block_k == 0,
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=MAX_ROWS,
         DOT_FP32=interpret and w.dtype != torch.float32, IEEE=w.dtype == torch.float32,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
-    )
+    ))
+
+
+def _launch(kind: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile | None,
+            **epilogue: Any) -> None:
+    """Plans and launches the kernel (see `plan`); nothing for zero rows."""
+    launch = plan(kind, x, w, out, tile, **epilogue)
+    if x.shape[0]:
+        _kernels().fused_linear[(launch.grid,)](*launch.args, **launch.meta)
 
 
 def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,

@@ -10,6 +10,12 @@ the interpreter truncates to bf16 where the GPU rounds to nearest).
 
 from __future__ import annotations
 
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -227,6 +233,101 @@ def test_runs_on_what_triton_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not small_batch.runs_on(torch.zeros(2, 8, dtype=torch.int64, device=DEVICE))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not small_batch.runs_on(torch.zeros(2, 8)), "a CPU tensor without the interpreter: the torch path"
+
+
+# ---- what the GPU compiles ---------------------------------------------------------------------
+
+LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=1, num_heads=32,
+                        num_kv_heads=8, head_dim=128)
+SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=1, num_heads=9,
+                      num_kv_heads=3, head_dim=64)
+HOPPER_SHARED_BYTES = 232448
+"""The most shared memory one block of an H100 or H200 may take (227 KB)."""
+
+
+def planned_launches(cfg: ModelConfig, dtype: torch.dtype, qk_norm: bool = False) -> dict[str, small_batch.Launch]:
+    """The model's five launches at 16 rows, planned on meta tensors (no memory)."""
+    def t(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dt, device="meta")
+
+    h, hd, nh, nkv, inter = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    qkv = (nh + 2 * nkv) * hd
+    return {
+        "qkv": small_batch.plan("rope", t(16, h), t(qkv, h), t(16, qkv), None, norm=(t(h), 1e-5),
+                                bias=t(qkv) if qk_norm else None, heads=(nh, nkv, hd),
+                                rope=(t(16, dt=torch.int64), t(4096, hd, dt=torch.float32),
+                                      t(4096, hd, dt=torch.float32)),
+                                qk_norm=(t(hd), t(hd), 1e-6) if qk_norm else None,
+                                cache=(t(2, 4096, nkv, hd), t(16, dt=torch.int64))),
+        "o": small_batch.plan("residual", t(16, nh * hd), t(h, nh * hd), t(16, h), None, residual=t(16, h)),
+        "gate_up": small_batch.plan("silu", t(16, h), t(2 * inter, h), t(16, inter), None, norm=(t(h), 1e-5)),
+        "down": small_batch.plan("residual", t(16, inter), t(h, inter), t(16, h), None, residual=t(16, h)),
+        "head": small_batch.plan("plain", t(16, h), t(cfg.vocab_size, h), t(16, cfg.vocab_size, dt=torch.float32),
+                                 None),
+    }
+
+
+def compile_for_hopper(kernel: Any, launch: small_batch.Launch) -> Any:
+    """Triton's whole GPU pipeline, ptxas included, for sm_90, specialised as the JIT specialises
+    a launch: pointers and the integers that are multiples of 16 marked divisible by 16 (M never)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    types = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64"}
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for i, (name, value) in enumerate(zip(kernel.arg_names, launch.args, strict=False)):
+        if isinstance(value, torch.Tensor):
+            signature[name] = types[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name != "M" and value and value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    constexprs = {k: v for k, v in launch.meta.items() if k not in ("num_warps", "num_stages")}
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    options = dict(num_warps=launch.meta["num_warps"], num_stages=launch.meta["num_stages"])
+    import triton  # in hopper_builds' own process, without the interpreter
+
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
+
+
+def hopper_builds() -> list[tuple[str, int, bool]]:
+    """(what, shared bytes, weight loads pipelined) of each kernel of SmolLM2-135M's and Llama-3-8B's
+    shapes, and of a q/k-norm head of 128 with bias, compiled for sm_90 as the table tiles them. Run
+    in a process without the interpreter (Triton reads TRITON_INTERPRET once, at import)."""
+    kernel = small_batch._kernels().fused_linear
+    builds = []
+    qwen_like = msgspec.structs.replace(LLAMA3_8B, num_heads=16)
+    for cfg, qk_norm in [(SMOLLM2, False), (LLAMA3_8B, False), (qwen_like, True)]:
+        for name, launch in planned_launches(cfg, torch.bfloat16, qk_norm).items():
+            if not qk_norm or name == "qkv":
+                compiled = compile_for_hopper(kernel, launch)
+                where = f"{name} of hidden {cfg.hidden_size}{' with q/k norm' if qk_norm else ''}"
+                builds.append((where, compiled.metadata.shared, "async_copy_global_to_local" in compiled.asm["ttgir"]))
+    return builds
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the other tests build the kernels for it")
+def test_table_tiles_lower_for_hopper_within_its_shared_memory() -> None:
+    """Without a GPU: each kernel of the two shapes, as the table tiles it, goes through Triton's
+    sm_90 pipeline (ptxas included), streams its weight through pipelined asynchronous copies and
+    fits an H200 block's shared memory: what the interpreter cannot check."""
+    if "nvidia" not in getattr(importlib.import_module("triton.backends"), "backends", {}):
+        pytest.skip("this Triton has no CUDA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import json; from tests.ops.test_small_batch import hopper_builds; print(json.dumps(hopper_builds()))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parents[2], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    builds = json.loads(done.stdout.splitlines()[-1])
+    assert len(builds) == 11
+    for where, shared, pipelined in builds:
+        assert shared <= HOPPER_SHARED_BYTES, (where, shared)
+        assert pipelined, f"{where}: weight loads not pipelined"
 
 
 # ---- the model on them ----------------------------------------------------------------------

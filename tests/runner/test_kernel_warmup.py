@@ -54,6 +54,7 @@ def test_serving_launches_only_variants_built_at_start(spec: dict[str, Any], mon
                                    max_num_seqs=6, num_kv_blocks=96, max_num_batched_tokens=48, **spec))
     built = set(seen)
     assert built, "the warm-up launched nothing"
+    assert any(name == "fused_linear_kernel" for name, _ in built), "decode steps run the small-batch kernels"
     rng = np.random.default_rng(0)
     # Every query-length class (1 to past the long-query tiles), alone and several at once, and
     # prompts longer than the token budget (chunked beside decode rows).

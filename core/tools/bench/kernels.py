@@ -39,6 +39,8 @@ from .command import MISSING, cell, device_name, header, preamble, ratio
 KERNELS = {"qkv": "rope", "o": "residual", "gate_up": "silu", "down": "residual", "head": "plain"}
 """Kernel name -> its kind in small_batch.TILES."""
 LAYER = ("qkv", "o", "gate_up", "down")
+SHARED_BYTES = 200 << 10
+"""Shared memory a sweep's tile may plan for (an H100 or H200 block has 227 KB)."""
 PASS_L2_BYTES = 256 << 20
 """Weight copies per timed graph add up to at least this (the H200's L2 is 50 MB)."""
 
@@ -53,26 +55,35 @@ def weight_shape(cfg: ModelConfig, kernel: str) -> tuple[int, int]:
 
 def candidates(cfg: ModelConfig, kernel: str, k: int) -> list[Tile]:
     """The tiles a sweep tries: column blocks of 16 to 64 rows (128 for the head; rope's at most half
-    a head, as the kernel clips them) by K steps that fit K, four warps, and a few with more warps
-    or stages."""
-    steps = [s for s in (64, 128, 256, 512) if s <= max(64, 1 << (k - 1).bit_length())][-3:]
+    a head, as the kernel clips them) by the three longest K steps that divide K (no masked tail;
+    128 and 256 where fewer do), four warps, and a few with more warps or stages; none past the
+    shared memory of a block."""
+    steps = [s for s in (64, 128, 256, 512) if k % s == 0][-3:]
+    steps = sorted(set(steps if len(steps) >= 2 else [*steps, 128, 256]))
     widths = [16, 32, 64, 128] if kernel == "head" else [16, 32, 64]
     if kernel == "qkv":
         widths = [w for w in widths if w <= max(16, 1 << (cfg.head_dim // 2 - 1).bit_length())]
     tiles = [Tile(n, s, 4, 3) for n in widths for s in steps]
     tiles += [Tile(widths[-1], steps[-1], 8, 3), Tile(16, steps[0], 4, 5), Tile(widths[-1], steps[-1], 8, 2)]
-    return list(dict.fromkeys(tiles))
+    rows = 2 if kernel in ("qkv", "gate_up") else 1  # a paired epilogue's tile holds both halves
+    # Shared memory: each stage holds the weight tile and the x tile (16 rows), 2 bytes an element.
+    fits = [t for t in tiles if t.num_stages * (rows * t.block_n + 16) * t.block_k * 2 <= SHARED_BYTES]
+    return list(dict.fromkeys(fits))
+
+
+def weight_copies(n: int, k: int, copies: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    return [torch.randn(n, k, generator=gen, device=device, dtype=dtype) * k**-0.5 for _ in range(copies)]
 
 
 class Case:
     """One kernel of one shape at M rows: its weights (copies), inputs, and the old and new calls."""
 
-    def __init__(self, cfg: ModelConfig, kernel: str, m: int, dtype: torch.dtype, device: torch.device,
-                 copies: int) -> None:
-        self.cfg, self.kernel, self.m = cfg, kernel, m
-        n, k = weight_shape(cfg, kernel)
-        gen = torch.Generator(device=device).manual_seed(0)
-        self.weights = [torch.randn(n, k, generator=gen, device=device, dtype=dtype) * k**-0.5 for _ in range(copies)]
+    def __init__(self, cfg: ModelConfig, kernel: str, m: int, weights: list[torch.Tensor]) -> None:
+        self.cfg, self.kernel, self.m, self.weights = cfg, kernel, m, weights
+        n, k = weights[0].shape
+        dtype, device = weights[0].dtype, weights[0].device
+        gen = torch.Generator(device=device).manual_seed(1)
         self.x = torch.randn(m, k, generator=gen, device=device, dtype=dtype)
         self.residual = torch.randn(m, k, generator=gen, device=device, dtype=dtype)
         self.stream = torch.randn(m, n, generator=gen, device=device, dtype=dtype)
@@ -176,9 +187,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             copies = max(2, -(-PASS_L2_BYTES // nbytes)) if device.type == "cuda" else 1
             tiles = candidates(cfg, kernel, k) if args.sweep else []
             table_tile = small_batch.tile_for(KERNELS[kernel], k, n)
+            weights = weight_copies(n, k, copies, dtype, device)
             for m in args.rows:
                 print(f"bench kernels: {name} {kernel} M={m}", file=sys.stderr)
-                case = Case(cfg, kernel, m, dtype, device, copies)
+                case = Case(cfg, kernel, m, weights)
                 old_s = time_call(case.old, copies, device, args.repeats)
                 new_s = time_call(case.new, copies, device, args.repeats)
                 floor_s = case.bytes_read() / bandwidth
@@ -186,10 +198,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 "new_us": new_s * 1e6, "floor_us": floor_s * 1e6, "tile": list(table_tile),
                                 "speedup": ratio(old_s, new_s), "new_over_floor": ratio(new_s, floor_s)})
                 for tile in tiles:
-                    t = time_call(lambda i, _c=case, _t=tile: _c.new(i, _t), copies, device, args.repeats)  # type: ignore[misc]
-                    sweep.append({"model": name, "kernel": kernel, "m": m, "n": n, "k": k, "tile": list(tile),
-                                  "us": t * 1e6, "over_floor": ratio(t, floor_s)})
+                    entry = {"model": name, "kernel": kernel, "m": m, "n": n, "k": k, "tile": list(tile)}
+                    try:
+                        t = time_call(lambda i, _c=case, _t=tile: _c.new(i, _t), copies, device,  # type: ignore[misc]
+                                      args.repeats)
+                    except Exception as e:  # a tile past the device's shared memory, say: noted, not fatal
+                        error = f"{type(e).__name__}: {e}"[:200]
+                        sweep.append(entry | {"us": None, "over_floor": None, "error": error})
+                        continue
+                    sweep.append(entry | {"us": t * 1e6, "over_floor": ratio(t, floor_s)})
                 del case
+            del weights
     layers = layer_rows(results)
     return header("kernels") | {
         "device": device_name(device), "platform": device.type, "dtype": args.dtype,
@@ -210,13 +229,18 @@ def layer_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def best_tiles(sweep: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per kernel and shape (K, N), the tile with the least time summed over the rows measured."""
+    """Per kernel and shape (K, N), the tile with the least time summed over the rows measured (of
+    the tiles that ran at every row count)."""
     best = []
     for kernel, k, n in dict.fromkeys((s["kernel"], s["k"], s["n"]) for s in sweep):
         runs = [s for s in sweep if (s["kernel"], s["k"], s["n"]) == (kernel, k, n)]
+        failed = {tuple(s["tile"]) for s in runs if s["us"] is None}
         totals: dict[tuple[int, ...], float] = {}
         for s in runs:
-            totals[tuple(s["tile"])] = totals.get(tuple(s["tile"]), 0.0) + s["us"]
+            if tuple(s["tile"]) not in failed:
+                totals[tuple(s["tile"])] = totals.get(tuple(s["tile"]), 0.0) + s["us"]
+        if not totals:
+            continue
         tile = min(totals, key=totals.__getitem__)
         best.append({"kernel": kernel, "kind": KERNELS[kernel], "k": k, "n": n, "tile": list(tile),
                      "us_by_m": {str(s["m"]): s["us"] for s in runs if tuple(s["tile"]) == tile}})
