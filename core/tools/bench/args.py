@@ -225,7 +225,8 @@ def kernels_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated, from {','.join(KERNEL_NAMES)} (default: all)")
     p.add_argument("--rows", type=int_list, default=[1, 4, 16], help="token rows M, comma-separated, at most 16 "
                    "(default: 1,4,16)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="the weights' dtype (default: bfloat16)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda where there is one)")
     p.add_argument("--bandwidth-gbs", type=float, default=4300.0,
                    help="bandwidth of the floor, GB/s (default: 4300, an H200's)")
