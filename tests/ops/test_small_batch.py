@@ -215,14 +215,20 @@ def test_row_count_builds_no_new_variant(monkeypatch: pytest.MonkeyPatch) -> Non
         return run(*args, **kwargs)
 
     monkeypatch.setattr(kernel, "run", recorded)
+    runtime = getattr(importlib.import_module("triton").knobs, "runtime", None)
+    before = getattr(runtime, "jit_post_compile_hook", None)
     gen = torch.Generator().manual_seed(4)
     w = rand(33, 48, gen=gen, dtype=torch.bfloat16)
     watch = JitWatch()
-    for i, m in enumerate(ROWS):
-        x = rand(m, 48, gen=gen, dtype=torch.bfloat16)
-        small_batch.linear_residual(x, w, x.new_zeros(m, 33))
-        if i == 0 and watch.install():
-            watch.seal()
+    try:
+        for i, m in enumerate(ROWS):
+            x = rand(m, 48, gen=gen, dtype=torch.bfloat16)
+            small_batch.linear_residual(x, w, x.new_zeros(m, 33))
+            if i == 0 and watch.install():
+                watch.seal()
+    finally:
+        if runtime is not None and hasattr(runtime, "jit_post_compile_hook"):
+            runtime.jit_post_compile_hook = before
     assert len(seen) == 1
     assert watch.num_after_seal == 0
 
