@@ -16,9 +16,9 @@ A decoder layer is then four launches plus attention, against ten or eleven on t
 **Tiles.** A program computes acc[BLOCK_N, 16] = W[BLOCK_N, K] @ x[16, K]^T over a loop on K:
 the weight is the dot's wide side and the token rows its narrow one (padded to 16, the smallest
 `tl.dot` tile), so M = 1..16 share one compiled kernel with M a runtime argument that is never
-specialised: a new row count builds nothing while serving. Paired epilogues read two tiles per
-program, the columns they combine: rope's first and second half of one head (rows d and d +
-head_dim / 2), SwiGLU's gate column j and up column j.
+specialised: a new row count builds nothing while serving. A paired epilogue's tile holds the
+columns it combines, BLOCK_N rows then their partners: rope's rows d of one head's first half and
+d + head_dim / 2 of its second, SwiGLU's gate columns j and up columns j.
 
 **Split over N only.** Every epilogue but the residual add needs complete sums (rope mixes two
 columns, SwiGLU multiplies them, the q/k norm sums a head), and a split-K reduction means a
@@ -64,8 +64,9 @@ KINDS = ("rope", "silu", "residual", "plain")
 
 
 class Tile(NamedTuple):
-    """One launch configuration. block_n: weight rows per dot tile (a paired epilogue reads two
-    such tiles; at least 16, the smallest dot); block_k: the K step."""
+    """One launch configuration. block_n: output columns per program (at least 16, the smallest
+    dot; a paired epilogue's tile holds twice as many weight rows, the columns and their
+    partners); block_k: the K step."""
 
     block_n: int
     block_k: int
