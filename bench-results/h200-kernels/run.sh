@@ -10,19 +10,19 @@
 #               SmolLM2-135M at batch 1 and 4, with and without the kernels
 #   summary.md  the short table printed last
 # Usage, from anywhere: bench-results/h200-kernels/run.sh OUT_DIR. Needs speckernel importable
-# by python3 (its wheels' dependencies installed). $PART_TIMEOUT caps each part (default 200 s).
+# by python3 (its wheels' dependencies installed). Each part has a time limit (tests 180 s,
+# kernels 300 s, scale 180 s; $PART_TIMEOUT sets all three); about 4 minutes in all is expected.
 # Overrides (a smoke run elsewhere, or more): $KERNEL_MODELS (comma-separated), $KERNEL_ROWS,
 # $SCALE_MODELS (space-separated; e.g. add random:llama3-8b, about a minute more), $PLATFORM.
 set -uo pipefail
 out=$(mkdir -p "${1:?usage: run.sh OUT_DIR}" && cd "$1" && pwd)
 cd "$(dirname "$0")/../.."
 source bench-results/gpu-cache.sh
-limit=${PART_TIMEOUT:-200}
 timings=()
 started=$SECONDS
-part() {  # part NAME COMMAND...: one part, its output in $out/NAME.log, its time noted
-  local name=$1 t0=$SECONDS
-  shift
+part() {  # part NAME LIMIT COMMAND...: one part, its output in $out/NAME.log, its time noted
+  local name=$1 limit=${PART_TIMEOUT:-$2} t0=$SECONDS
+  shift 2
   echo "== $name: $*"
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   echo "   exit $? after $(( SECONDS - t0 )) s"
@@ -37,16 +37,16 @@ cat "$out/env.txt"
 
 marks="not slow"
 [ -n "${MODEL:-}" ] && marks=""
-part tests python3 -m pytest -q -p no:cacheprovider tests/ops/test_small_batch.py -m "$marks"
+part tests 180 python3 -m pytest -q -p no:cacheprovider tests/ops/test_small_batch.py -m "$marks"
 tail -3 "$out/tests.log"
 
-part kernels python3 -m speckernel.tools.cli bench kernels --sweep --rows "${KERNEL_ROWS:-1,4,16}" \
+part kernels 300 python3 -m speckernel.tools.cli bench kernels --sweep --rows "${KERNEL_ROWS:-1,4,16}" \
   --dtype bfloat16 --models "${KERNEL_MODELS:-random:smollm2-135m,random:llama3-8b}" --out "$out/kernels"
 
 read -r -a scale_models <<< "${SCALE_MODELS:-random:smollm2-135m}"
 compare=()
 for m in "${scale_models[@]:1}"; do compare+=(--compare "$m"); done
-part scale python3 -m speckernel.tools.cli bench scale --platform "${PLATFORM:-cuda}" --dtype bfloat16 \
+part scale 180 python3 -m speckernel.tools.cli bench scale --platform "${PLATFORM:-cuda}" --dtype bfloat16 \
   --model "${scale_models[0]}" ${compare[@]+"${compare[@]}"} --batch 1,4 --small-batch-kernels both \
   --out "$out/scale"
 
