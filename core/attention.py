@@ -105,9 +105,11 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, *, written: bool = False) -> torch.Tensor:
         """q [T, heads, head_dim] and k, v [T, kv_heads, head_dim], already roped; kv is one
-        layer's cache. Writes k, v into meta.slot_mapping, then attends; returns [T, heads, head_dim]."""
+        layer's cache. Writes k, v into meta.slot_mapping, then attends; returns [T, heads, head_dim].
+        written: the caller already put k and v into the cache at meta.slot_mapping (a projection
+        kernel that writes them as it makes them), so the backend only attends."""
         ...
 
     def write(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:

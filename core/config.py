@@ -75,6 +75,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     token do not depend on the other rows, its row's place in the batch or its row's query count
     (decode, verification, prefill chunk): speculative greedy output then equals plain greedy
     output token for token in any dtype, at some cost in speed (`speckernel bench invariant`)."""
+    small_batch_kernels: bool = True
+    """Where Triton runs, steps of at most 16 tokens (decode, verification) run each projection
+    fused with its norm, rope, activation or residual add (`speckernel.ops.small_batch`); off:
+    library GEMMs between the fused elementwise kernels (benchmarks compare the two)."""
     force_host_drafts: bool = False
     """Copy draft IDs to the host after every drafting step even when the speculator's fixed
     width makes it unnecessary (benchmarks measure what avoiding the copy saves)."""

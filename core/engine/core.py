@@ -160,6 +160,7 @@ class EngineCore:
                              run_ahead=policy is not None and policy.run_ahead)
         if self.platform.capabilities.triton:
             model.use_triton_ops(True)
+        model.use_small_batch_ops(config.small_batch_kernels)
         model.use_batch_invariant_ops(config.batch_invariant)
         self.runner = runner
         runner.graphs = self._capture_graphs(spec.caps if spec is not None else None, k)
@@ -239,7 +240,8 @@ class EngineCore:
         assert isinstance(runner, ModelRunner), "kernels are warmed where the weights are"
         started = time.monotonic()
         launches = runner.attention.warm_up(runner.kv_cache[0], self.model_cfg.num_heads)
-        steps = warm_eager(runner, range(k + 1))  # an eager step verifies as many drafts as its rows hold
+        # An eager step verifies as many drafts as its rows hold.
+        steps = warm_eager(runner, range(k + 1), min(self.config.max_num_batched_tokens, self.max_model_len))
         self.platform.synchronize()
         JIT_WATCH.seal()
         self.kernel_builds_at_ready = JIT_WATCH.num_compiles

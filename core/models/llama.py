@@ -6,7 +6,10 @@ cache write and the paged read) is the job of the backend that made the step's m
 
 `LlamaModel.use_triton_ops(True)` switches the layers to fused kernels (`speckernel.ops.fused_ops`):
 add+RMSNorm with the residual stream carried between layers (vLLM-style), q+k rope in one
-launch, and silu*up. Off by default, so the CPU path is the plain torch code.
+launch, and silu*up. Off by default, so the CPU path is the plain torch code. Steps of at most
+`small_batch.MAX_ROWS` tokens (decode, verification) then run each projection fused with its
+neighbours instead (`speckernel.ops.small_batch`, `LlamaModel.use_small_batch_ops`): four launches
+and attention per layer, the LM head one more.
 
 `LlamaModel.use_batch_invariant_ops(True)` makes every matmul (the LM head too), norm and
 activation batch-invariant (`speckernel.ops.invariant`): a token's results are bit for bit the
@@ -24,7 +27,7 @@ from torch import nn
 
 from ..attention import AttentionMetadata
 from ..model_config import ModelConfig
-from ..ops import fused_ops, invariant
+from ..ops import fused_ops, invariant, small_batch
 from ..ops.rope import cos_sin_table
 
 
@@ -122,6 +125,23 @@ class DecoderLayer(nn.Module):
         h, residual = fused_ops.rms_norm(h, self.post_norm.weight, self.post_norm.eps, residual)
         return self.mlp(h, fused=True), residual
 
+    def forward_small(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The layer on `small_batch`'s kernels: x [T <= MAX_ROWS, H] is the residual stream, and so
+        is the result. norm + QKV + rope + the K/V cache write, attention, o + residual, norm +
+        gate_up + SwiGLU, down + residual. cos/sin are the whole rotary tables, indexed by positions."""
+        attn, t = self.attn, x.shape[0]
+        qk_norm = None
+        if attn.q_norm is not None and attn.k_norm is not None:
+            qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
+        q, k, v = small_batch.norm_qkv_rope(x, self.input_norm.weight, self.input_norm.eps, attn.qkv.weight,
+                                            attn.qkv.bias, positions, cos, sin, (attn.nh, attn.nkv, attn.hd),
+                                            qk_norm=qk_norm, cache=(kv, meta.slot_mapping))
+        out = meta.backend.forward(q, k, v, kv, meta, attn.scale, written=True)
+        x = small_batch.linear_residual(out.reshape(t, attn.nh * attn.hd), attn.o.weight, x)
+        h = small_batch.norm_gate_up(x, self.post_norm.weight, self.post_norm.eps, self.mlp.gate_up.weight)
+        return small_batch.linear_residual(h, self.mlp.down.weight, x)
+
 
 class LlamaModel(nn.Module):
     cos: torch.Tensor
@@ -140,6 +160,8 @@ class LlamaModel(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.triton_ops = False
+        self.small_batch = True
+        """With triton_ops: steps of at most small_batch.MAX_ROWS tokens take the small-batch kernels."""
         self.batch_invariant = False
 
     def use_triton_ops(self, enabled: bool = True) -> LlamaModel:
@@ -147,6 +169,19 @@ class LlamaModel(nn.Module):
         torch paths elsewhere). Same outputs to rounding; off by default."""
         self.triton_ops = enabled
         return self
+
+    def use_small_batch_ops(self, enabled: bool = True) -> LlamaModel:
+        """With the fused kernels on, run steps of at most `small_batch.MAX_ROWS` tokens (and LM heads
+        of that many rows) on `speckernel.ops.small_batch` (on by default; off: the fused path's
+        library GEMMs, which benchmarks compare). The choice depends on the step's token count
+        alone, so each captured graph shape holds one path."""
+        self.small_batch = enabled
+        return self
+
+    def runs_small(self, x: torch.Tensor) -> bool:
+        """Whether a step (or LM head input) x [T, H] runs on the small-batch kernels. Not in the
+        batch-invariant mode: there a token's results may not depend on the step's size."""
+        return self.triton_ops and self.small_batch and not self.batch_invariant and small_batch.runs_on(x)
 
     def use_batch_invariant_ops(self, enabled: bool = True) -> LlamaModel:
         """Run every linear (the LM head too), norm and activation batch-invariant
@@ -171,8 +206,15 @@ class LlamaModel(nn.Module):
         if bad:
             raise IndexError(f"layers {bad} out of range: the model has {len(self.layers)}")
         x = self.embed(input_ids)
-        cos, sin = self.cos[meta.positions], self.sin[meta.positions]
         captured: dict[int, torch.Tensor] = {}
+        if len(self.layers) and self.runs_small(x):
+            for i, layer in enumerate(self.layers):
+                assert isinstance(layer, DecoderLayer)
+                x = layer.forward_small(x, meta.positions, self.cos, self.sin, kv_cache[i], meta)
+                if i in layers:
+                    captured[i] = x
+            return fused_ops.rms_norm(x, self.norm.weight, self.norm.eps), captured
+        cos, sin = self.cos[meta.positions], self.sin[meta.positions]
         if self.triton_ops and len(self.layers):
             h, residual = x, None
             for i, layer in enumerate(self.layers):
@@ -213,7 +255,12 @@ class LlamaModel(nn.Module):
         return self
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of final-norm hidden states [..., H] (the head's output rounded to the
+        weights' dtype first)."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         if self.batch_invariant:
             return invariant.linear(hidden, weight).float()
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        if self.runs_small(rows):
+            return small_batch.linear(rows, weight, torch.float32).view(*hidden.shape[:-1], weight.shape[0])
         return F.linear(hidden, weight).float()

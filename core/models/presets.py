@@ -2,7 +2,8 @@
 without its file, for measurements that depend on shapes alone (the time of a decode step does
 not depend on what the weights hold).
 
-`random:llama3-8b` has Llama-3-8B's shapes; `random:tiny` builds in milliseconds for tests. Any
+`random:llama3-8b` has Llama-3-8B's shapes, `random:smollm2-135m` the default model's (a GPU
+run of it needs no model file); `random:tiny` builds in milliseconds for tests. Any
 ModelConfig field can follow the preset: `random:llama3-8b,num_layers=4`. Weights are drawn on
 the target device from a fixed seed, so the 16 GB of an 8B model in bf16 never pass through the
 host, and two loads of one name (a target and its draft_model) hold the same weights. The
@@ -24,6 +25,9 @@ PREFIX = "random:"
 PRESETS = {
     "llama3-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                              num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position=8192),
+    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                                num_kv_heads=3, head_dim=64, rope_theta=100000.0, max_position=8192,
+                                tie_word_embeddings=True),
     "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16, max_position=2048),
 }

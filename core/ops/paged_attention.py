@@ -193,7 +193,7 @@ class PagedAttention:
         """Backend-specific host planning on top of the shared buffer (none by default)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, *, written: bool = False) -> torch.Tensor:
         raise NotImplementedError
 
     def write(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -259,9 +259,10 @@ class TorchPagedAttention(PagedAttention):
         return groups
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, *, written: bool = False) -> torch.Tensor:
         k_cache, v_cache = kv[0], kv[1]
-        self.write(k, v, kv, meta.slot_mapping)
+        if not written:
+            self.write(k, v, kv, meta.slot_mapping)
         out = torch.zeros_like(q)
         for g in meta.groups:
             attended = F.scaled_dot_product_attention(
@@ -287,10 +288,11 @@ class TritonPagedAttention(PagedAttention):
     tile through the masked code path (`triton_attention.paged_attention(invariant=True)`)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, *, written: bool = False) -> torch.Tensor:
         from .triton_attention import paged_attention, write_kv  # triton is optional (Linux x86-64)
 
-        write_kv(k, v, kv, meta.slot_mapping)
+        if not written:
+            write_kv(k, v, kv, meta.slot_mapping)
         return paged_attention(q, kv, meta.block_tables, meta.seq_lens, meta.query_start, meta.max_query_len,
                                scale, self.block_size, invariant=self.batch_invariant)
 

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from .. import log as logmod
 from ..attention import AttentionMetadata
 from ..kernel.frame import StepFrame
+from ..ops.small_batch import MAX_ROWS
 from ..platform import DeviceGraph, Platform
 from .step_shape import DeviceOutputs, StepDevice, StepShape
 
@@ -53,16 +54,20 @@ def row_buckets(max_rows: int) -> list[int]:
 
 
 @torch.inference_mode()
-def warm_eager(runner: StepDevice, verify_widths: Iterable[int]) -> int:
+def warm_eager(runner: StepDevice, verify_widths: Iterable[int], max_tokens: int = 0) -> int:
     """Two-row eager steps of every sampling kind, plain and verifying: what an eager step
     launches beyond the attention variants (the backend's own warm-up) is built here, at start,
-    not by the first request that needs it. Returns the steps run."""
+    not by the first request that needs it. Those steps are small enough for the small-batch
+    kernels; where a step may hold more tokens (max_tokens), a greedy one-row step of
+    small_batch.MAX_ROWS + 1 tokens builds what larger steps launch. Returns the steps run."""
     steps = 0
-    for width in sorted(set(verify_widths)):
-        for greedy, filt in SAMPLING_KINDS:
-            shape = StepGraphs._shape(2, width, greedy, filt)
-            runner.device_step(runner.plan(StepFrame(-1, []), shape), shape)
-            steps += 1
+    shapes = [StepGraphs._shape(2, width, greedy, filt) for width in sorted(set(verify_widths))
+              for greedy, filt in SAMPLING_KINDS]
+    if max_tokens > MAX_ROWS:
+        shapes.append(StepGraphs._prefill_shape(MAX_ROWS + 1, True, False))
+    for shape in shapes:
+        runner.device_step(runner.plan(StepFrame(-1, []), shape), shape)
+        steps += 1
     return steps
 
 

@@ -359,7 +359,9 @@ def test_model_with_triton_ops_matches_default_path(monkeypatch: pytest.MonkeyPa
         ids = torch.randint(0, TINY.vocab_size, (sum(n for _, n, _ in step),), generator=gen).to(DEVICE)
         results = {}
         for flag in (False, True):
-            model.use_triton_ops(flag)
+            # The fused path itself: steps this small take the small-batch kernels by default
+            # (tests/ops/test_small_batch.py).
+            model.use_triton_ops(flag).use_small_batch_ops(False)
             meta = TorchPagedAttention(8, 16, DEVICE).prepare(step)
             results[flag] = model.forward_with_hidden(ids, caches[flag], meta, (0, 2))
         (base, base_h), (fused, fused_h) = results[False], results[True]

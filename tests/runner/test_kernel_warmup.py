@@ -23,12 +23,12 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU count
 
 def record_variants(monkeypatch: pytest.MonkeyPatch) -> set[tuple[str, tuple[Any, ...]]]:
     """Every (kernel, constexprs and launch options) launched from now on."""
-    from speckernel.ops import fused_ops, triton_attention
+    from speckernel.ops import fused_ops, small_batch, triton_attention
     from speckernel.runner import sampler, verify
 
     seen: set[tuple[str, tuple[Any, ...]]] = set()
     kernels = [*vars(triton_attention._kernels()).values(), *vars(fused_ops._kernels()).values(),
-               sampler._race_kernel(), verify._triton_kernel()]
+               *vars(small_batch._kernels()).values(), sampler._race_kernel(), verify._triton_kernel()]
     for kernel in kernels:
         run = kernel.run
 
@@ -54,6 +54,7 @@ def test_serving_launches_only_variants_built_at_start(spec: dict[str, Any], mon
                                    max_num_seqs=6, num_kv_blocks=96, max_num_batched_tokens=48, **spec))
     built = set(seen)
     assert built, "the warm-up launched nothing"
+    assert any(name == "fused_linear_kernel" for name, _ in built), "decode steps run the small-batch kernels"
     rng = np.random.default_rng(0)
     # Every query-length class (1 to past the long-query tiles), alone and several at once, and
     # prompts longer than the token budget (chunked beside decode rows).

@@ -67,9 +67,11 @@ class NoGraphPlatform:
         pass
 
 
-def runner(graphs: bool, prefill: tuple[int, ...] = ()) -> ModelRunner:
+def runner(graphs: bool, prefill: tuple[int, ...] = (), fused: bool = False) -> ModelRunner:
+    """fused: the model's Triton kernels, so decode and verification steps (at most 16 tokens) run
+    on the small-batch kernels, padding tokens included."""
     torch.manual_seed(0)
-    model = LlamaModel(TINY, MAX_LEN + K + 2).eval().to(DEV)
+    model = LlamaModel(TINY, MAX_LEN + K + 2).eval().to(DEV).use_triton_ops(fused)
     attention = TritonPagedAttention(BLOCK, 64, DEV, max_rows=SLOTS + 1, max_blocks=MAX_LEN // BLOCK + 1)
     r = ModelRunner(model, DEV, num_blocks=SLOTS * (MAX_LEN // BLOCK), block_size=BLOCK, attention=attention,
                     num_slots=SLOTS, max_model_len=MAX_LEN, num_speculative_tokens=K, max_num_tokens=64)
@@ -107,9 +109,9 @@ def test_row_buckets_cover_every_batch_with_little_padding() -> None:
     assert row_buckets(100)[-1] == 100 and all(b <= 100 for b in row_buckets(100))
 
 
-@pytest.mark.parametrize("greedy_only", [True, False])
-def test_replayed_padded_steps_equal_eager_steps(greedy_only: bool) -> None:
-    eager, replayed = runner(False), runner(True)
+@pytest.mark.parametrize(("greedy_only", "fused"), [(True, False), (False, False), (True, True)])
+def test_replayed_padded_steps_equal_eager_steps(greedy_only: bool, fused: bool) -> None:
+    eager, replayed = runner(False, fused=fused), runner(True, fused=fused)
     rng = np.random.default_rng(1)
     lens = {0: 5, 1: 9, 2: 3, 3: 17}
     prompts = {s: rng.integers(0, TINY.vocab_size, n).tolist() for s, n in lens.items()}
@@ -146,9 +148,9 @@ def test_replayed_padded_steps_equal_eager_steps(greedy_only: bool) -> None:
         "padding wrote no token a request reads"
 
 
-@pytest.mark.parametrize("drafts", [(2, 1), (1, 1)])
-def test_replayed_verification_equals_eager_verification(drafts: tuple[int, int]) -> None:
-    eager, replayed = runner(False), runner(True)
+@pytest.mark.parametrize(("drafts", "fused"), [((2, 1), False), ((1, 1), False), ((2, 1), True)])
+def test_replayed_verification_equals_eager_verification(drafts: tuple[int, int], fused: bool) -> None:
+    eager, replayed = runner(False, fused=fused), runner(True, fused=fused)
     rng = np.random.default_rng(2)
     prompts = {0: rng.integers(0, 64, 6).tolist(), 2: rng.integers(0, 64, 11).tolist()}
     first = StepFrame(0, [ScheduledRow(s, 0, s, 0, p, blocks(s), sampling(s, 0)) for s, p in prompts.items()])

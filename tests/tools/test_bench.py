@@ -99,6 +99,44 @@ def test_scale_on_random_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert len(rows) == 2 and rows[0].startswith("| random:tiny,num_layers=3 | 3 |")
 
 
+def test_scale_compares_small_batch_kernels_and_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    report, rows = bench("scale", ["--platform", "cpu", "--model", "random:tiny", "--compare", "random:smollm2-135m",
+                                   "--layers", "1", "--batch", "1,2", "--small-batch-kernels", "both",
+                                   "--prompt-len", "8", "--warmup-steps", "1", "--steps", "2", "--copy-mib", "8",
+                                   "--copy-repeats", "2"], tmp_path, monkeypatch)
+    runs = [(m["model"].split(",")[0], m["batch"], m["small_batch_kernels"]) for m in report["models"]]
+    assert runs == [(model, batch, small) for model in ("random:tiny", "random:smollm2-135m") for batch in (1, 2)
+                    for small in (True, False)]
+    for m in report["models"]:
+        assert m["tokens_per_s"] == pytest.approx(m["batch"] * 1e3 / m["step_p50_ms"])
+        assert (m["speedup_over_off"] is not None) == m["small_batch_kernels"]
+    assert len(rows) == 8 and rows[1].split(" | ")[2:4] == ["1", "off"]
+
+
+def test_kernels_times_each_kernel_and_sweeps_tiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    report, rows = bench("kernels", ["--models", "random:tiny", "--kernels", "qkv,o,gate_up,down", "--rows", "1,3",
+                                     "--sweep", "--repeats", "4"], tmp_path, monkeypatch)
+    assert [(r["kernel"], r["m"]) for r in report["results"]] == [(k, m) for k in ("qkv", "o", "gate_up", "down")
+                                                                   for m in (1, 3)]
+    assert all(r["old_us"] > 0 and r["new_us"] > 0 and r["floor_us"] > 0 for r in report["results"])
+    assert [(r["m"], r["new_us"]) for r in report["layers"]] == [
+        (m, pytest.approx(sum(r["new_us"] for r in report["results"] if r["m"] == m))) for m in (1, 3)]
+    best = {b["kernel"]: b for b in report["best"]}
+    assert set(best) == {"qkv", "o", "gate_up", "down"}
+    for b in best.values():  # the best tile is the sweep's least total over the rows
+        totals: dict[tuple[int, ...], float] = {}
+        for s in report["sweep"]:
+            if s["kernel"] == b["kernel"]:
+                totals[tuple(s["tile"])] = totals.get(tuple(s["tile"]), 0.0) + s["us"]
+        assert tuple(b["tile"]) == min(totals, key=totals.__getitem__)
+    text = (tmp_path / "kernels.md").read_text()
+    assert '("residual", 64, ANY, Tile(' in text and '("residual", ANY, ANY, Tile(' in text  # o's K, then down's
+    assert len(rows) >= 8
+
+
 @pytest.mark.slow
 def test_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     report, rows = bench("decode", ["--platform", "cpu", "--max-tokens", "4", "--num-prompts", "2",

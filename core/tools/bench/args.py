@@ -12,6 +12,7 @@ SCENARIOS = {
     "grammar": "structured output (JSON schema, json_object) against free text, with and without speculators",
     "hostsync": "a fixed-width speculator with and without copying draft IDs to the host",
     "invariant": "the batch-invariant mode against the default: tokens/s and outputs equal to plain greedy",
+    "kernels": "each small-batch kernel against the fused path's launches, by shape and rows; --sweep tunes tiles",
     "pp": "pipeline (PP=1,2,4) and data (DP=2) parallelism, with and without a speculator",
     "prefill": "prefill-only requests with and without K=0 steps",
     "remote": "a drafter served in a second process, deferred vs synchronous vs local, with injected round trips",
@@ -192,11 +193,50 @@ def scale_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None,
                    help="override the layer count of random:... models (default: the preset's)")
     p.add_argument("--prompt-len", type=int, default=128, help="tokens of context per decode step")
+    p.add_argument("--batch", type=int_list, default=[1], help="rows per decode step, comma-separated (default: 1)")
+    p.add_argument("--small-batch-kernels", choices=("on", "off", "both"), default="on",
+                   help="time with the small-batch kernels, without, or both side by side (default: on)")
     p.add_argument("--warmup-steps", type=int, default=8, help="untimed steps first")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps")
     p.add_argument("--copy-mib", type=int, default=None, help="size of the timed copy (default: 4096 MiB on "
                    "an accelerator, 256 on the CPU)")
     p.add_argument("--copy-repeats", type=int, default=10, help="timed copies")
+
+
+KERNEL_NAMES = ("qkv", "o", "gate_up", "down", "head")
+
+
+def name_list(text: str) -> list[str]:
+    """`a,b` → ["a", "b"] (argparse type)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected names separated by commas, got {text!r}")
+    return names
+
+
+def kernel_list(text: str) -> list[str]:
+    names = name_list(text)
+    bad = [n for n in names if n not in KERNEL_NAMES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"expected kernels from {', '.join(KERNEL_NAMES)}, got {text!r}")
+    return names
+
+
+def kernels_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", type=name_list, default=["random:smollm2-135m", "random:llama3-8b"],
+                   help="models whose shapes are timed, comma-separated (default: random:smollm2-135m,"
+                        "random:llama3-8b; only the config is read)")
+    p.add_argument("--kernels", type=kernel_list, default=list(KERNEL_NAMES),
+                   help=f"comma-separated, from {','.join(KERNEL_NAMES)} (default: all)")
+    p.add_argument("--rows", type=int_list, default=[1, 4, 16], help="token rows M, comma-separated, at most 16 "
+                   "(default: 1,4,16)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="the weights' dtype (default: bfloat16)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda where there is one)")
+    p.add_argument("--bandwidth-gbs", type=float, default=4300.0,
+                   help="bandwidth of the floor, GB/s (default: 4300, an H200's)")
+    p.add_argument("--repeats", type=int, default=20, help="timed replays per variant (default: 20)")
+    p.add_argument("--sweep", action="store_true", help="also time every candidate tile of each kernel and shape")
 
 
 def startup_arguments(p: argparse.ArgumentParser) -> None:
@@ -211,7 +251,7 @@ def startup_arguments(p: argparse.ArgumentParser) -> None:
 
 
 ARGUMENTS = {"accept": accept_arguments, "decode": decode_arguments, "grammar": grammar_arguments,
-             "hostsync": hostsync_arguments, "invariant": invariant_arguments,
+             "hostsync": hostsync_arguments, "invariant": invariant_arguments, "kernels": kernels_arguments,
              "prefill": prefill_arguments, "pp": pp_arguments, "remote": remote_arguments,
              "scale": scale_arguments, "startup": startup_arguments}
 

@@ -3,10 +3,12 @@ to read every weight a step reads (and the request's KV) at the copy bandwidth m
 same run. The default target is a random-weight model of Llama-3-8B's shape (`random:llama3-8b`,
 bf16, about 15 GB read per step), next to SmolLM2-135M timed the same way against its own floor.
 
-The engine core is driven directly (no tokenizer, no frontend): one greedy request of random
-prompt tokens, then steady-state decode steps, each timed between two device synchronisations;
-the median over --steps after --warmup-steps. The bandwidth is that of a large device-to-device
-copy (bytes read plus bytes written, over the median of several, timed with device events).
+The engine core is driven directly (no tokenizer, no frontend): --batch greedy requests of random
+prompt tokens, then steady-state decode steps of that many rows, each timed between two device
+synchronisations; the median over --steps after --warmup-steps. The bandwidth is that of a large
+device-to-device copy (bytes read plus bytes written, over the median of several, timed with
+device events). `--small-batch-kernels both` times each model and batch with the small-batch
+kernels (`EngineConfig.small_batch_kernels`) and without, in one run.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ...model_config import ModelConfig
 from ...models.presets import is_random
 from ...sampling_params import SamplingParams
 from ...wire.messages import AddRequest
-from .command import device_name, header, preamble, ratio
+from .command import cell, device_name, header, preamble, ratio
 
 DEFAULT_MODELS = ["random:llama3-8b", "smollm2-135m"]
 
@@ -71,25 +73,32 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def time_steps(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Loads `name` into a fresh engine core, then times its decode steps at batch 1."""
+SMALL_BATCH = {"on": (True,), "off": (False,), "both": (True, False)}
+"""--small-batch-kernels: the settings each model and batch is timed with."""
+
+
+def time_steps(name: str, args: argparse.Namespace, batch: int = 1, small_batch: bool = True) -> dict[str, Any]:
+    """Loads `name` into a fresh engine core, then times its decode steps of `batch` rows."""
     block_size = EngineConfig().block_size
-    blocks = -(-(args.prompt_len + args.warmup_steps + args.steps + 2) // block_size) + 1  # KV for this request only
-    config = EngineConfig(model=name, platform=args.platform, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                          max_model_len=args.max_model_len or blocks * block_size, num_kv_blocks=blocks,
-                          enforce_eager=args.enforce_eager, in_process=True)
-    print(f"bench scale: loading {name}", file=sys.stderr)
+    blocks = -(-(args.prompt_len + args.warmup_steps + args.steps + 2) // block_size) + 1  # KV for these requests only
+    config = EngineConfig(model=name, platform=args.platform, dtype=args.dtype,
+                          max_num_seqs=max(args.max_num_seqs, batch),
+                          max_model_len=args.max_model_len or blocks * block_size, num_kv_blocks=blocks * batch,
+                          enforce_eager=args.enforce_eager, small_batch_kernels=small_batch, in_process=True)
+    print(f"bench scale: loading {name} (batch {batch}, small-batch kernels {'on' if small_batch else 'off'})",
+          file=sys.stderr)
     started = time.monotonic()
     core = EngineCore(config)
     load_s = time.monotonic() - started
     cfg = core.model_cfg
-    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt_len)
+    rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=args.warmup_steps + args.steps + 2, temperature=0.0, ignore_eos=True)
-    delta = core.add_request(AddRequest(0, prompt, params))
-    assert delta is None, delta
-    produced = 0
-    while produced == 0:  # prefill (possibly several chunks) until the first token
-        produced += sum(len(d.new_token_ids) for d in core.step())
+    for key in range(batch):
+        delta = core.add_request(AddRequest(key, rng.integers(0, cfg.vocab_size, args.prompt_len), params))
+        assert delta is None, delta
+    started_rows: set[int] = set()
+    while len(started_rows) < batch:  # prefill (possibly several chunks) until every request has its first token
+        started_rows.update(d.key for d in core.step() if d.new_token_ids)
     for _ in range(args.warmup_steps):
         core.step()
     times: list[float] = []
@@ -104,11 +113,13 @@ def time_steps(name: str, args: argparse.Namespace) -> dict[str, Any]:
     stats = core.stats()
     result = {
         "model": name,
+        "batch": batch,
+        "small_batch_kernels": small_batch,
         "num_layers": cfg.num_layers,
         "hidden_size": cfg.hidden_size,
         "load_s": load_s,
         "weight_bytes_per_step": weights,
-        "kv_bytes_per_step": kv,
+        "kv_bytes_per_step": kv * batch,
         "step_p50_ms": statistics.median(times) * 1e3,
         "step_p10_ms": float(np.percentile(times, 10)) * 1e3,
         "step_p90_ms": float(np.percentile(times, 90)) * 1e3,
@@ -129,7 +140,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     models += args.compare if args.compare is not None else ([] if args.model else DEFAULT_MODELS[1:])
     if args.layers is not None:
         models = [f"{m},num_layers={args.layers}" if is_random(m) else m for m in models]
-    results = [time_steps(m, args) for m in models]
+    results = [time_steps(m, args, batch, small) for m in models for batch in args.batch
+               for small in SMALL_BATCH[args.small_batch_kernels]]
     if device.type != "cpu":
         torch.get_device_module(device.type).empty_cache()  # the models' memory, for the copy
     mib = args.copy_mib or (256 if device.type == "cpu" else 4096)
@@ -138,7 +150,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         floor_ms = (r["weight_bytes_per_step"] + r["kv_bytes_per_step"]) / bandwidth * 1e3
         r["floor_ms"] = floor_ms
         r["step_over_floor"] = ratio(r["step_p50_ms"], floor_ms)
-        r["tokens_per_s"] = 1e3 / r["step_p50_ms"]
+        r["tokens_per_s"] = r["batch"] * 1e3 / r["step_p50_ms"]
+        off = next((o for o in results if not o["small_batch_kernels"] and o["model"] == r["model"]
+                    and o["batch"] == r["batch"]), None)
+        on = r["small_batch_kernels"] and off is not None
+        r["speedup_over_off"] = ratio(off["step_p50_ms"], r["step_p50_ms"]) if on and off else None
     return header("scale") | {
         "platform": results[0]["platform"],
         "dtype": results[0]["dtype"],
@@ -151,22 +167,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> list[str]:
-    lines = preamble(report, f"Decode step at batch 1 against the weight-read floor, prompt {report['prompt_len']} "
-                             "tokens")
+    lines = preamble(report, f"Decode step against the weight-read floor, prompt {report['prompt_len']} tokens")
     lines += [
         f"Floor: (weights + KV read per step) / {report['copy_bandwidth_gb_s']:.0f} GB/s, the bandwidth of a "
         f"{report['copy_bytes'] >> 20} MiB device copy measured in this run (read + written bytes).",
         "",
-        "| model | layers | weights read GB | KV read MB | step p50 ms | p10 ms | p90 ms | tokens/s | floor ms "
-        "| step / floor | graph steps | load s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Small-batch kernels: `EngineConfig.small_batch_kernels`; speedup: the step without them over the step "
+        "with them, same model and batch.",
+        "",
+        "| model | layers | batch | small-batch kernels | weights read GB | KV read MB | step p50 ms | p10 ms "
+        "| p90 ms | tokens/s | floor ms | step / floor | speedup | graph steps | load s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["models"]:
         lines.append(
-            f"| {r['model']} | {r['num_layers']} | {r['weight_bytes_per_step'] / 1e9:.3f} | "
-            f"{r['kv_bytes_per_step'] / 1e6:.1f} | {r['step_p50_ms']:.3f} | {r['step_p10_ms']:.3f} | "
-            f"{r['step_p90_ms']:.3f} | {r['tokens_per_s']:.1f} | {r['floor_ms']:.3f} | {r['step_over_floor']:.2f} | "
-            f"{r['num_graph_steps']} | {r['load_s']:.1f} |")
+            f"| {r['model']} | {r['num_layers']} | {r['batch']} | {'on' if r['small_batch_kernels'] else 'off'} | "
+            f"{r['weight_bytes_per_step'] / 1e9:.3f} | {r['kv_bytes_per_step'] / 1e6:.1f} | {r['step_p50_ms']:.3f} | "
+            f"{r['step_p10_ms']:.3f} | {r['step_p90_ms']:.3f} | {r['tokens_per_s']:.1f} | {r['floor_ms']:.3f} | "
+            f"{r['step_over_floor']:.2f} | {cell(r['speedup_over_off'])} | {r['num_graph_steps']} | "
+            f"{r['load_s']:.1f} |")
     return lines
 
 
@@ -176,9 +195,11 @@ def plot(report: dict[str, Any], plt: Any) -> Any:
     xs = range(len(models))
     ax.bar([x - 0.2 for x in xs], [r["step_p50_ms"] for r in models], 0.4, label="decode step (p50)")
     ax.bar([x + 0.2 for x in xs], [r["floor_ms"] for r in models], 0.4, label="weight-read floor")
-    ax.set_xticks(list(xs), [r["model"] for r in models], fontsize="small")
+    labels = [f"{r['model']}\nbatch {r['batch']}, small-batch {'on' if r['small_batch_kernels'] else 'off'}"
+              for r in models]
+    ax.set_xticks(list(xs), labels, fontsize="x-small", rotation=30, ha="right")
     ax.set_yscale("log")
-    ax.set_ylabel("ms per step, batch 1")
+    ax.set_ylabel("ms per decode step")
     ax.set_title(f"Decode step vs floor, {report['platform']} {report['dtype']}")
     ax.legend()
     return fig

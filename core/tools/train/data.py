@@ -137,7 +137,7 @@ class DenseCausalAttention:
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, *, written: bool = False) -> torch.Tensor:
         b, t = self.batch, self.length
         q4, k4, v4 = (x.view(b, t, x.shape[1], x.shape[2]) for x in (q, k, v))
         if self.layer in self.keep:
