@@ -4,7 +4,8 @@
 # prefill, accept in each of $DTYPES), and last
 # a short summary table of all of them (summary.md).
 # Optional: $MODEL (the default GGUF) and $HUMANEVAL (HumanEval.jsonl.gz) for machines without
-# PyPI; $DTYPES (default "float32 bfloat16"; empty: no accept runs); $PART_TIMEOUT (seconds per
+# PyPI; $CHECK_TESTS (the GPU-side tests to run) and $DECODE_ARGS (decode's prompts, concurrency
+# and speculators); $DTYPES (default "float32 bfloat16"; empty: no accept runs); $PART_TIMEOUT (seconds per
 # scenario, default 240); $WORK (where the parts go, default $1/parts); PACK=1 also packs the parts
 # into $1/results.tar.gz after each one (for runners that fetch few files: point WORK elsewhere);
 # $PARTS (default: all) names the parts to run, e.g. "checks decode scale".
@@ -41,21 +42,25 @@ case " ${PARTS:-checks} " in *" checks "*) {
   timeout 120 python3 -m speckernel.tools.cli generate --raw --prompt "The three primary colors are" --max-tokens 48 \
     --temperature 0 --json --platform cuda
   echo "== GPU-side tests (Triton kernels for real, graphs vs eager, no host sync, sampling, verification)"
-  timeout 420 python3 -m pytest -q tests/runner/test_gpu_fast_path.py tests/runner/test_step_graphs.py \
-    tests/platforms/test_platform_contract.py tests/ops/test_triton_kernels.py tests/runner/test_sampler.py tests/runner/test_verify.py \
-    -p no:cacheprovider 2>&1 | tail -40
+  timeout "${CHECKS_TIMEOUT:-420}" python3 -m pytest -q ${CHECK_TESTS:-tests/runner/test_gpu_fast_path.py \
+    tests/runner/test_step_graphs.py tests/platforms/test_platform_contract.py tests/ops/test_triton_kernels.py \
+    tests/runner/test_sampler.py tests/runner/test_verify.py} -p no:cacheprovider 2>&1 | tail -40
 } > "$work/cuda_checks.txt" 2>&1
 timings+=("cuda_checks $(( SECONDS - started ))")
 tail -5 "$work/cuda_checks.txt"
 pack ;;
 esac
-limit=${DECODE_TIMEOUT:-360} bench decode decode --platform cuda --dtype bfloat16 --max-tokens 256 --num-prompts 10 \
-  --concurrency 1,4,16,64 --speculator ngram
+# shellcheck disable=SC2086  # $DECODE_ARGS is a list of flags
+limit=${DECODE_TIMEOUT:-360} bench decode decode --platform cuda --dtype bfloat16 --max-tokens 256 \
+  ${DECODE_ARGS:---num-prompts 10 --concurrency 1,4,16,64 --speculator ngram}
 bench scale scale --platform cuda
 bench decode_adaptive decode --platform cuda --dtype bfloat16 --max-tokens 256 --num-prompts 10 \
   --concurrency 16,64 --speculator ngram --no-hf --adaptive-speculation
 bench hostsync hostsync --platform cuda --speculator ngram --max-tokens 256 --num-prompts 10 --concurrency 1,16
 bench prefill prefill --platform cuda --speculator ngram --prompt-tokens 1200 --num-prompts 64 --concurrency 1,16
+bench remote remote --platform cuda --dtype bfloat16 --method eagle3 --num-speculative-tokens 3 --max-tokens 128 \
+  --num-prompts 4
+bench pp pp --platform cuda --dtype bfloat16 --speculator mtp
 for dtype in $dtypes; do
   bench "accept_$dtype" accept --platform cuda --dtype "$dtype" --max-tokens 256
 done
