@@ -76,17 +76,19 @@ class Tile(NamedTuple):
 
 ANY = 1 << 62
 TILES: tuple[tuple[str, int, int, Tile], ...] = (
-    # kind, K up to, N up to (N: the weight's rows), tile. First match wins.
-    # First guesses, not yet measured: at least one program per SM (an H200 has 132) with 16-48 KB
-    # of weight in flight each. `speckernel bench kernels --sweep` prints measured rows to paste here.
-    ("rope", 1024, ANY, Tile(16, 64, 4, 4)),
-    ("rope", ANY, ANY, Tile(16, 256, 4, 4)),
-    ("silu", 1024, ANY, Tile(16, 64, 4, 4)),
-    ("silu", ANY, ANY, Tile(32, 256, 4, 3)),
-    ("residual", 2048, ANY, Tile(16, 128, 4, 4)),
-    ("residual", ANY, ANY, Tile(16, 256, 4, 4)),
-    ("plain", 1024, ANY, Tile(64, 64, 4, 4)),
-    ("plain", ANY, ANY, Tile(64, 256, 4, 3)),
+    # kind, K up to, N up to (N: the weight's rows), tile. First match wins. Measured on an H200
+    # (`speckernel bench kernels --sweep`, bench-results/h200-kernels): the best of the sweep for
+    # SmolLM2-135M's and Llama-3-8B's shapes, the latter's also serving any larger K.
+    ("rope", 576, ANY, Tile(32, 256, 4, 3)),  # qkv K=576 N=960
+    ("rope", ANY, ANY, Tile(32, 256, 4, 3)),  # qkv K=4096 N=6144
+    ("silu", 576, ANY, Tile(32, 256, 4, 3)),  # gate_up K=576 N=3072
+    ("silu", ANY, ANY, Tile(64, 128, 4, 3)),  # gate_up K=4096 N=28672
+    ("residual", 576, ANY, Tile(16, 256, 4, 3)),  # o K=576 N=576
+    ("residual", 1536, ANY, Tile(16, 128, 4, 5)),  # down K=1536 N=576
+    ("residual", 4096, ANY, Tile(32, 512, 4, 3)),  # o K=4096 N=4096
+    ("residual", ANY, ANY, Tile(32, 512, 4, 3)),  # down K=14336 N=4096
+    ("plain", 576, ANY, Tile(128, 64, 4, 3)),  # head K=576 N=49152
+    ("plain", ANY, ANY, Tile(128, 128, 4, 3)),  # head K=4096 N=128256
 )
 
 
