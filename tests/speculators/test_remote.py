@@ -324,3 +324,53 @@ def test_fixed_shape_steps_draft_what_steps_at_their_own_size_draft(
             thread.join(5)
         assert (host.num_padded_steps > 0) == graphs and host.num_eager_steps > 0, (graphs, host.num_padded_steps)
     assert runs[True] == runs[False]
+
+
+def test_a_proposal_s_time_is_accounted_phase_by_phase(keys: Path, tmp_path: Path,
+                                                        prompts: list[list[int]]) -> None:
+    """With 30 ms injected by the server, the breakdown `bench remote` reports puts them where
+    they are: in the server's hold, inside the round trip, which holds every server phase; a
+    synchronous step waits the whole round trip, a deferred one at most what was left of it."""
+    server = Server("eagle3", f"ipc://{tmp_path}/slow.sock", keys, "--inject-rtt-ms", "30").start()
+    try:
+        for deferred in (True, False):
+            core = engine(server, deferred=str(deferred).lower())
+            run_to_completion(core, prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+            spec: Any = core.speculator
+            calls = spec.timed_proposals()
+            plugin = core.stats()["spec"]["plugin"]
+            # Every proposal is timed once its reply reached the step that waited for it (a
+            # deferred one when the next step passed its gate: the run's last one never is).
+            assert plugin["num_timed_proposals"] == len(calls) >= plugin["num_proposals"] - int(deferred) > 0
+            assert plugin["time_round_trip_ms"] == pytest.approx(sum(c["round_trip"] for c in calls))
+            for c in calls:
+                assert min(c.values()) >= 0 and c["build"] > 0 and c["encode"] > 0, c
+                served = sum(c[f"server_{p}"] for p in ("decode", "hold", "prepare", "compute", "d2h"))
+                assert c["round_trip"] >= max(served, 30.0), c
+                assert c["server_decode"] + c["server_hold"] >= 14.9, c  # the first half, held from arrival
+                if deferred:
+                    assert c["exposed"] <= c["round_trip"] + c["decode"] + c["release"] + 1e-6, c
+                else:
+                    assert c["exposed"] >= c["round_trip"], c
+            spec.close()
+    finally:
+        server.kill()
+
+
+def test_a_reply_reaches_its_call_without_waiting_for_the_reply_thread_s_next_turn(eagle3: Server) -> None:
+    """The runner's thread sends, the reply thread receives: whichever used the socket last
+    makes sure a reply that is in gets drained, so none waits for the thread's timed turn
+    (100 ms), the worst a lost wake-up would cost."""
+    from speckernel.speculators.remote import Call
+
+    core = engine(eagle3)
+    link: Any = core.speculator.link  # type: ignore[union-attr]
+    waits = []
+    for _ in range(200):
+        call = Call(link.next_id(), "ping", [])
+        started = time.perf_counter()
+        link.submit(call, drafter_wire.Ping(call.call_id))
+        assert call.done.wait(5) and call.ok
+        waits.append(time.perf_counter() - started)
+    assert float(np.percentile(waits, 90)) < 0.05, sorted(waits)[-10:]
+    core.speculator.close()  # type: ignore[union-attr]
