@@ -383,14 +383,15 @@ def describe(ctx: SpeculatorContext) -> tuple[SpeculatorCapabilities, Link]:
 COUNTERS = ("num_proposals", "num_deferred", "num_ingests", "num_frees", "num_failed_calls", "num_timeouts",
             "num_error_replies", "num_bad_replies", "num_late_replies", "num_reconnects", "num_rows_unspeculated")
 
-PHASES = ("build", "encode", "send", "round_trip", "decode", "release", "exposed")
+PHASES = ("build", "encode", "send", "round_trip", "decode", "release", "exposed", "overlap")
 """A proposal's way, timed (`time_<phase>_ms` in the stats, summed over `num_timed_proposals`):
 build: the request from the step's states (device-to-host copies included); encode; send: onto
 the socket (waiting for the reply thread to let go of it included); round_trip: on the socket
 to the reply received (the server's phases, `server_<phase>_ms`, and the wire); decode: the
 reply decoded into the staging; release: staged to the waiting work going on (the gate's or the
 waiting thread's wake-up); exposed: how long the step waited for the reply (synchronous: in
-propose; deferred: the work held at the gate), the part of the round trip no host work hid."""
+propose; deferred: the work held at the gate), the part of the round trip no host work hid;
+overlap: the host work between the send and that wait, what a deferred reply hides behind."""
 
 SERVER_PHASES = ("decode", "hold", "prepare", "compute", "d2h", "send")
 TIMED_COUNTERS = ("num_timed_proposals", *(f"time_{p}_ms" for p in PHASES),
@@ -443,7 +444,7 @@ class RemoteSpeculator(SpeculatorBase):
         phases = {"build": at["built"] - at["start"], "encode": at["encoded"] - at["built"],
                   "send": at["sent"] - at["encoded"], "round_trip": at["received"] - at["sent"],
                   "decode": at["staged"] - at["received"], "release": released - max(at["staged"], blocked),
-                  "exposed": released - blocked}
+                  "exposed": released - blocked, "overlap": max(blocked - at["sent"], 0.0)}
         ms = {name: seconds * 1e3 for name, seconds in phases.items()}
         ms |= {f"server_{name}": getattr(t, name) for name in SERVER_PHASES}
         ms["server_device_compute"] = max(t.device_compute, 0.0)

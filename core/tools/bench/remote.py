@@ -187,21 +187,21 @@ def markdown(report: dict[str, Any]) -> list[str]:
             "Where a proposal's time goes, p50 ms per proposal (means in the JSON). Engine: build (the request, its "
             "device-to-host copy included), encode, send (onto the socket), round trip (on the socket to the reply "
             "in), decode (into the staging), release (staged to the waiting work going on), exposed (how long the "
-            "step waited for the reply: what no host work hid). Server: decode, hold (the injected round trip), "
-            "prepare (checks, plan, copies to the device), compute (as the host issued it; device: its device time, "
-            "where timed), d2h, send (encoding and sending a reply); wire: the round trip less the server's phases "
-            "before its send.",
+            "step waited for the reply: what no host work hid), overlap (the host work between the send and that "
+            "wait). Server: decode, hold (the injected round trip), prepare (checks, plan, copies to the device), "
+            "compute (as the host issued it; device: its device time, where timed), d2h, send (encoding and "
+            "sending a reply); wire: the round trip less the server's phases before its send.",
             "",
             "| mode | injected RTT ms | build | encode | send | round trip | server decode | hold | prepare | compute "
-            "| device | d2h | server send | wire | decode | release | exposed |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| device | d2h | server send | wire | decode | release | exposed | overlap |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in timed:
             p = r["phases_p50"]
             device = p.get("server_device_compute") if p.get("server_device_compute") else None
             cells = [p["build"], p["encode"], p["send"], p["round_trip"], p["server_decode"], p["server_hold"],
                      p["server_prepare"], p["server_compute"], device, p["server_d2h"], p["server_send"], p["wire"],
-                     p["decode"], p["release"], p["exposed"]]
+                     p["decode"], p["release"], p["exposed"], p["overlap"]]
             lines.append(f"| {r['mode']} | {r['rtt_ms']:g} | " + " | ".join(cell(c, ".3f") for c in cells) + " |")
     return lines
 
