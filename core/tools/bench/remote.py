@@ -98,18 +98,21 @@ def measure(config: EngineConfig, prompts: list[list[int]], params: SamplingPara
             "plugin": spec.get("plugin", {}), "phases": phases, "phases_p50": p50, "outputs": outputs}
 
 
-SERVER = ("decode", "hold", "prepare", "compute", "d2h", "send", "device_compute")
+BEFORE_SEND = ("decode", "hold", "prepare", "compute", "d2h")
+"""The server's phases inside a proposal's round trip, up to its reply's send (the `send` a reply
+carries is of the reply before it)."""
 
 
 def phase_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
     """Mean ms per proposal of each timed phase over the measured run (the remote speculator's
-    `time_*_ms` counters), with `wire`: the round trip less the server's own phases."""
+    `time_*_ms` counters), with `wire`: the round trip less the server's phases before its send
+    (the reply's own send and the transport both ways)."""
     n = after.get("num_timed_proposals", 0) - before.get("num_timed_proposals", 0)
     if not n:
         return None
     means = {name.removeprefix("time_").removesuffix("_ms"): (after[name] - before.get(name, 0.0)) / n
              for name in after if name.startswith("time_")}
-    means["wire"] = means["round_trip"] - sum(means[f"server_{p}"] for p in SERVER if p != "device_compute")
+    means["wire"] = means["round_trip"] - sum(means[f"server_{p}"] for p in BEFORE_SEND)
     means["num_timed_proposals"] = n
     return means
 
@@ -119,7 +122,7 @@ def phase_p50(calls: list[dict[str, float]]) -> dict[str, float] | None:
     if not calls:
         return None
     for c in calls:
-        c["wire"] = c["round_trip"] - sum(c[f"server_{p}"] for p in SERVER if p != "device_compute")
+        c["wire"] = c["round_trip"] - sum(c[f"server_{p}"] for p in BEFORE_SEND)
     return {name: float(np.percentile([c[name] for c in calls], 50)) for name in calls[0]}
 
 
@@ -190,7 +193,8 @@ def markdown(report: dict[str, Any]) -> list[str]:
             "step waited for the reply: what no host work hid), overlap (the host work between the send and that "
             "wait). Server: decode, hold (the injected round trip), prepare (checks, plan, copies to the device), "
             "compute (as the host issued it; device: its device time, where timed), d2h, send (encoding and "
-            "sending a reply); wire: the round trip less the server's phases before its send.",
+            "sending the reply before); wire: the round trip less the server's phases before its send (the "
+            "reply's own send and the transport both ways).",
             "",
             "| mode | injected RTT ms | build | encode | send | round trip | server decode | hold | prepare | compute "
             "| device | d2h | server send | wire | decode | release | exposed | overlap |",
