@@ -172,6 +172,7 @@ class Link(threading.Thread):
                 return
             call.deadline = time.monotonic() + self.timeout_s
             self.pending[call.call_id] = call
+            call.at["sent"] = time.perf_counter()  # before the call: the round trip holds all the server did
             try:  # never blocks: a DEALER with no peer would hold the step forever
                 sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -179,7 +180,6 @@ class Link(threading.Thread):
                 self._fail(call, "unreachable")
                 readable = True  # wake the thread: it drops the link
             else:
-                call.at["sent"] = time.perf_counter()
                 readable = readable_now(sock)
         if readable:  # the send may have taken the descriptor's signal of a reply already in
             os.write(self.wake_w, b"x")
@@ -385,9 +385,9 @@ COUNTERS = ("num_proposals", "num_deferred", "num_ingests", "num_frees", "num_fa
 
 PHASES = ("build", "encode", "send", "round_trip", "decode", "release", "exposed", "overlap")
 """A proposal's way, timed (`time_<phase>_ms` in the stats, summed over `num_timed_proposals`):
-build: the request from the step's states (device-to-host copies included); encode; send: onto
-the socket (waiting for the reply thread to let go of it included); round_trip: on the socket
-to the reply received (the server's phases, `server_<phase>_ms`, and the wire); decode: the
+build: the request from the step's states (device-to-host copies included); encode; send: to
+the socket (waiting for the reply thread to let go of it); round_trip: from the socket's send
+call to the reply received (the server's phases, `server_<phase>_ms`, and the wire); decode: the
 reply decoded into the staging; release: staged to the waiting work going on (the gate's or the
 waiting thread's wake-up); exposed: how long the step waited for the reply (synchronous: in
 propose; deferred: the work held at the gate), the part of the round trip no host work hid;

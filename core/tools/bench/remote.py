@@ -188,13 +188,13 @@ def markdown(report: dict[str, Any]) -> list[str]:
         lines += [
             "",
             "Where a proposal's time goes, p50 ms per proposal (means in the JSON). Engine: build (the request, its "
-            "device-to-host copy included), encode, send (onto the socket), round trip (on the socket to the reply "
-            "in), decode (into the staging), release (staged to the waiting work going on), exposed (how long the "
-            "step waited for the reply: what no host work hid), overlap (the host work between the send and that "
-            "wait). Server: decode, hold (the injected round trip), prepare (checks, plan, copies to the device), "
-            "compute (as the host issued it; device: its device time, where timed), d2h, send (encoding and "
-            "sending the reply before); wire: the round trip less the server's phases before its send (the "
-            "reply's own send and the transport both ways).",
+            "device-to-host copy included), encode, send (to the socket: waiting for the reply thread to let go of "
+            "it), round trip (the socket's send call to the reply in), decode (into the staging), release (staged "
+            "to the waiting work going on), exposed (how long the step waited for the reply: what no host work "
+            "hid), overlap (the host work between the send and that wait). Server: decode, hold (the injected "
+            "round trip), prepare (checks, plan, copies to the device), compute (as the host issued it; device: its "
+            "device time, where timed), d2h, send (encoding and sending the reply before); wire: the round trip "
+            "less the server's phases before its send (the reply's own send and the transport both ways).",
             "",
             "| mode | injected RTT ms | build | encode | send | round trip | server decode | hold | prepare | compute "
             "| device | d2h | server send | wire | decode | release | exposed | overlap |",
