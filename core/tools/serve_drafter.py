@@ -166,11 +166,12 @@ class DrafterServer:
         """Sleeps until `fraction` of the injected round trip has passed since arrival; the seconds slept."""
         if not self.rtt_s:
             return 0.0
-        left = arrived + self.rtt_s * fraction - time.perf_counter()
+        now = time.perf_counter()
+        left = arrived + self.rtt_s * fraction - now
         if left <= 0:
             return 0.0
         time.sleep(left)
-        return left
+        return time.perf_counter() - now
 
     def _answer(self, msg: Any) -> DrafterReply:
         host = self.host
