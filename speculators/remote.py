@@ -218,8 +218,10 @@ class Link(threading.Thread):
         if self.sock is None:
             deadlines.append(self.next_dial)
         wait = max(0.0, min(deadlines, default=now + 0.1) - now)
-        fds = [self.wake_r] if self.sock is None else [self.wake_r, self.fd]
-        ready, _, _ = select.select(fds, [], [], min(wait, 0.1) + 1e-3)
+        poller = select.poll()  # not select(): a busy process may hold descriptors past FD_SETSIZE
+        for fd in [self.wake_r] if self.sock is None else [self.wake_r, self.fd]:
+            poller.register(fd, select.POLLIN)
+        ready = {fd for fd, _ in poller.poll(int(min(wait, 0.1) * 1e3) + 1)}
         if self.wake_r in ready:
             try:
                 os.read(self.wake_r, 4096)
