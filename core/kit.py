@@ -16,6 +16,7 @@ target computes:
 - a drafter served elsewhere: `drafter_wire` (the messages of `speckernel serve-drafter`'s RPC)
   and the zero-copy codec (`Encoder`, `Decoder`) they travel with;
 - `logger(name)`: the engine's structured key-value log, for a plugin's own events;
+- `to_device(array, device)`: a host array on the device in a copy the host does not wait for;
 - checksums: `verified(path, sha256, stamp)` (one full sha256, then a size + mtime stamp, as the
   model's file is checked), `cache_stamp(path)` (a stamp for a file in a read-only folder) and
   `sha256_of(path)`.
@@ -36,6 +37,7 @@ from .models.loader import load_model
 from .models.paged import new_kv_cache
 from .ops import fused_ops
 from .ops.rope import apply_rope, cos_sin_table
+from .runner.host_copy import to_device
 from .runner.sampler import target_noise
 from .wire import drafter as drafter_wire
 from .wire.codec import Decoder, Encoder
@@ -57,5 +59,6 @@ __all__ = [
     "resolve_model",
     "sha256_of",
     "target_noise",
+    "to_device",
     "verified",
 ]

@@ -61,6 +61,13 @@ class HostGate(Protocol):
     """
 
     timed_out: bool
+    opened_at: float
+    """perf_counter() when open() was first called (0: not yet)."""
+    blocked_at: float
+    """perf_counter() when the gated work reached the gate (0: not yet)."""
+    passed_at: float
+    """perf_counter() when the gated work went on (0: not yet): passed_at - blocked_at is how
+    long the device (or the issuing thread) was held."""
 
     def enqueue(self) -> None: ...
 

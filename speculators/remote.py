@@ -5,8 +5,9 @@ capabilities are the served drafter's (its width, its K=0 pass, the target layer
 asked of the server at check time; placement says `remote`, and its draft KV lives there.
 
 Each step the rows go to the server with what the drafter reads of them: the token-buffer span
-the step touched, and the declared target layers' hidden states of the step's query tokens.
-One reply thread owns the socket; the runner hands it requests through a queue.
+the step touched, and the declared target layers' hidden states of the step's query tokens,
+read from the device in one copy. The runner's thread sends the request itself; one reply
+thread receives the replies, writes the drafts into the staging and opens the gate.
 
 Resolution. Deferred (fixed width, `deferred=true`, the default): `propose` returns at once
 with host staging memory (pinned where the device copies from it) and a platform `HostGate`;
@@ -30,12 +31,13 @@ draft state).
 from __future__ import annotations
 
 import os
-import queue
+import select
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import msgspec
 import numpy as np
@@ -43,7 +45,7 @@ import torch
 import zmq
 import zmq.auth
 
-from speckernel.kit import Decoder, Encoder, drafter_wire, logger
+from speckernel.kit import Decoder, Encoder, drafter_wire, logger, to_device
 from speckernel.plugin import (
     Drafts,
     InvalidInputError,
@@ -87,6 +89,10 @@ class Call:
     session: int = 0
     reply: Any = None
     deadline: float = 0.0
+    at: dict[str, float] = field(default_factory=dict)
+    """perf_counter() at each mark of its way (`PHASES` says which)."""
+    timing: Any = None
+    """The server's `ServerTiming` of it."""
 
 
 def curve_keys(folder: str) -> tuple[bytes, bytes, bytes]:
@@ -102,9 +108,22 @@ def curve_keys(folder: str) -> tuple[bytes, bytes, bytes]:
     return server, public, secret
 
 
+def readable_now(sock: zmq.Socket) -> bool:
+    """A reply waits in the socket (asking also resets its descriptor's signal)."""
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
 class Link(threading.Thread):
-    """The reply thread: owns the DEALER socket, sends what the runner queued, matches replies
-    to calls by call_id, fails calls past their deadline, and dials again after a drop."""
+    """The DEALER socket and the reply thread. The runner's thread sends its requests itself
+    (no hand-off: a queued request would wait for this thread to get the interpreter, which
+    the runner holds through the next step's host work, the very work a deferred reply is meant
+    to overlap); this thread receives, matches replies to calls by call_id, fills their staging
+    and opens their gates, fails calls past their deadline, and dials again after a drop.
+
+    Every use of the socket is under `lock`. The thread waits on the socket's file descriptor
+    outside it; that descriptor only says "look again" (ZeroMQ's edge-triggered ZMQ_FD), so
+    whoever used the socket last checks `zmq.EVENTS` and, when a reply is readable, makes sure
+    this thread drains it."""
 
     def __init__(self, options: RemoteOptions, hello: wire.Hello, counters: dict[str, float]) -> None:
         """counters: shared with the speculator, which reads them for its stats."""
@@ -116,10 +135,12 @@ class Link(threading.Thread):
         self.timeout_s = options.timeout_ms / 1e3
         self.ctx = zmq.Context()
         self.sock: zmq.Socket | None = None
-        self.encoder = Encoder()  # the runner thread's (it encodes before queueing)
+        self.fd = -1
+        """The socket's ZMQ_FD (only this thread dials and closes, so it is valid while it waits)."""
+        self.lock = threading.Lock()
+        self.encoder = Encoder()  # the runner thread's
         self.own_encoder = Encoder()  # this thread's (an encoder keeps state while encoding)
         self.decoder = Decoder(wire.DrafterReply)
-        self.queue: queue.SimpleQueue[tuple[Call, list[Any]]] = queue.SimpleQueue()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         self.pending: dict[int, Call] = {}
@@ -128,6 +149,8 @@ class Link(threading.Thread):
         """The session the link is up with (0: down)."""
         self.next_dial = 0.0
         self.stopping = False
+        self.broken = False
+        """A send found no peer to take it: drop the link and dial again."""
         self.ids = iter(range(1, 1 << 62))
         self.hello_call: Call | None = None
         self.described: wire.Described | None = None
@@ -138,8 +161,28 @@ class Link(threading.Thread):
     # --- the runner's side ------------------------------------------------------------------
 
     def submit(self, call: Call, msg: msgspec.Struct) -> None:
-        self.queue.put((call, self.encoder.encode(msg)))
-        os.write(self.wake_w, b"x")
+        """Sends a request on the calling thread; a link that is down fails the call at once."""
+        call.at["built"] = time.perf_counter()
+        frames = self.encoder.encode(msg)
+        call.at["encoded"] = time.perf_counter()
+        with self.lock:
+            sock = self.sock
+            if not self.up or sock is None:
+                self._fail(call, "unreachable")
+                return
+            call.deadline = time.monotonic() + self.timeout_s
+            self.pending[call.call_id] = call
+            call.at["sent"] = time.perf_counter()  # before the call: the round trip holds all the server did
+            try:  # never blocks: a DEALER with no peer would hold the step forever
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self.broken = True
+                self._fail(call, "unreachable")
+                readable = True  # wake the thread: it drops the link
+            else:
+                readable = readable_now(sock)
+        if readable:  # the send may have taken the descriptor's signal of a reply already in
+            os.write(self.wake_w, b"x")
 
     def next_id(self) -> int:
         return next(self.ids)
@@ -158,41 +201,50 @@ class Link(threading.Thread):
             while not self.stopping:
                 self._turn()
         finally:
-            for call in list(self.pending.values()):
-                self._fail(call, "closed")
-            if self.sock is not None:
-                self.sock.close(0)
+            with self.lock:
+                for call in list(self.pending.values()):
+                    self._fail(call, "closed")
+                if self.sock is not None:
+                    self.sock.close(0)
+                    self.sock = None
             self.ctx.term()
 
     def _turn(self) -> None:
         now = time.monotonic()
         if self.sock is None and now >= self.next_dial:
-            self._dial()
-        deadlines = [c.deadline for c in self.pending.values()]
+            with self.lock:
+                self._dial()
+        deadlines = [c.deadline for c in list(self.pending.values())]
         if self.sock is None:
             deadlines.append(self.next_dial)
         wait = max(0.0, min(deadlines, default=now + 0.1) - now)
-        poller = zmq.Poller()
-        poller.register(self.wake_r, zmq.POLLIN)
-        if self.sock is not None:
-            poller.register(self.sock, zmq.POLLIN)
-        events = dict(poller.poll(int(min(wait, 0.1) * 1e3) + 1))
-        if self.wake_r in events:
+        poller = select.poll()  # not select(): a busy process may hold descriptors past FD_SETSIZE
+        for fd in [self.wake_r] if self.sock is None else [self.wake_r, self.fd]:
+            poller.register(fd, select.POLLIN)
+        ready = {fd for fd, _ in poller.poll(int(min(wait, 0.1) * 1e3) + 1)}
+        if self.wake_r in ready:
             try:
                 os.read(self.wake_r, 4096)
             except BlockingIOError:
                 pass
-        self._send_queued()
-        if self.sock is not None and self.sock in events:
-            while self.sock is not None and self.sock.poll(0):
-                self._receive(self.sock.recv_multipart(copy=False))
-        now = time.monotonic()
-        late = [c for c in self.pending.values() if c.deadline <= now]
-        if late:
-            self.counters["num_timeouts"] += len(late)
-            log.warning("remote_drafter_timeout", calls=len(late), timeout_ms=self.options.timeout_ms,
-                        effect="empty drafts; speculation off for those requests; dialling again")
-            self._drop("timeout")
+        with self.lock:
+            self._drain()
+            if self.broken:
+                self.broken = False
+                self._drop("unreachable")
+            now = time.monotonic()
+            late = [c for c in self.pending.values() if c.deadline <= now]
+            if late:
+                self.counters["num_timeouts"] += len(late)
+                log.warning("remote_drafter_timeout", calls=len(late), timeout_ms=self.options.timeout_ms,
+                            effect="empty drafts; speculation off for those requests; dialling again")
+                self._drop("timeout")
+
+    def _drain(self) -> None:
+        """Every reply readable now (until zmq.EVENTS says none: the descriptor signals again
+        only after that)."""
+        while self.sock is not None and readable_now(self.sock):
+            self._receive(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
 
     def _dial(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
@@ -201,7 +253,7 @@ class Link(threading.Thread):
         sock.curve_publickey = self.public
         sock.curve_secretkey = self.secret
         sock.connect(self.options.address)
-        self.sock = sock
+        self.sock, self.fd = sock, cast(int, sock.getsockopt(zmq.FD))
         call = Call(self.next_id(), "hello", [])
         call.deadline = time.monotonic() + max(self.timeout_s, 1.0)
         self.hello_call = call
@@ -209,20 +261,8 @@ class Link(threading.Thread):
         sock.send_multipart(self.own_encoder.encode(msgspec.structs.replace(self.hello, call_id=call.call_id)),
                             copy=False)
 
-    def _send_queued(self) -> None:
-        while True:
-            try:
-                call, frames = self.queue.get_nowait()
-            except queue.Empty:
-                return
-            if not self.up or self.sock is None:
-                self._fail(call, "unreachable")
-                continue
-            call.deadline = time.monotonic() + self.timeout_s
-            self.pending[call.call_id] = call
-            self.sock.send_multipart(frames, copy=False)
-
     def _receive(self, frames: list[Any]) -> None:
+        received = time.perf_counter()
         try:
             reply = self.decoder.decode(frames)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -245,6 +285,8 @@ class Link(threading.Thread):
         if call.kind == "propose":
             if not self._stage(call, reply):
                 return
+            call.timing = reply.timing
+            call.at["received"], call.at["staged"] = received, time.perf_counter()
         call.ok = True
         self._release(call)
 
@@ -323,7 +365,7 @@ def describe(ctx: SpeculatorContext) -> tuple[SpeculatorCapabilities, Link]:
     hello = wire.Hello(call_id=0, target=wire.fingerprint(ctx.target), block_size=ctx.block_size,
                        max_model_len=ctx.max_model_len, num_speculative_tokens=ctx.num_speculative_tokens,
                        num_slots=ctx.num_slots)
-    counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+    counters: dict[str, float] = dict.fromkeys(COUNTERS, 0) | dict.fromkeys(TIMED_COUNTERS, 0.0)
     link = Link(options, hello, counters)
     link.start()
     wait_s = max(options.timeout_ms / 1e3, 1.0) + 0.5
@@ -342,6 +384,20 @@ def describe(ctx: SpeculatorContext) -> tuple[SpeculatorCapabilities, Link]:
 
 COUNTERS = ("num_proposals", "num_deferred", "num_ingests", "num_frees", "num_failed_calls", "num_timeouts",
             "num_error_replies", "num_bad_replies", "num_late_replies", "num_reconnects", "num_rows_unspeculated")
+
+PHASES = ("build", "encode", "send", "round_trip", "decode", "release", "exposed", "overlap")
+"""A proposal's way, timed (`time_<phase>_ms` in the stats, summed over `num_timed_proposals`):
+build: the request from the step's states (device-to-host copies included); encode; send: to
+the socket (waiting for the reply thread to let go of it); round_trip: from the socket's send
+call to the reply received (the server's phases, `server_<phase>_ms`, and the wire); decode: the
+reply decoded into the staging; release: staged to the waiting work going on (the gate's or the
+waiting thread's wake-up); exposed: how long the step waited for the reply (synchronous: in
+propose; deferred: the work held at the gate), the part of the round trip no host work hid;
+overlap: the host work between the send and that wait, what a deferred reply hides behind."""
+
+SERVER_PHASES = ("decode", "hold", "prepare", "compute", "d2h", "send")
+TIMED_COUNTERS = ("num_timed_proposals", *(f"time_{p}_ms" for p in PHASES),
+                  *(f"time_server_{p}_ms" for p in (*SERVER_PHASES, "device_compute")))
 
 
 class RemoteSpeculator(SpeculatorBase):
@@ -374,9 +430,46 @@ class RemoteSpeculator(SpeculatorBase):
         self.owner: dict[int, tuple[int, int]] = {}
         """Per slot: (generation, session it began under; 0 while the link was down)."""
         self.unspeculated = self.link.unspeculated
+        self.awaiting: list[Call] = []
+        """Deferred proposals whose gate has not been passed yet (timed once it has)."""
+        self.timed: deque[dict[str, float]] = deque(maxlen=4096)
 
     def stats(self) -> dict[str, float]:
+        self._harvest()
         return dict(self.counters) | {"link_up": float(self.link.up)}
+
+    def _timed(self, call: Call, released: float, blocked: float) -> None:
+        """Adds a proposal's phases to the stats, once its reply has reached the work that waited."""
+        at, t = call.at, call.timing
+        if not call.ok or t is None or not {"start", "sent", "received", "staged"} <= at.keys():
+            return
+        phases = {"build": at["built"] - at["start"], "encode": at["encoded"] - at["built"],
+                  "send": at["sent"] - at["encoded"], "round_trip": at["received"] - at["sent"],
+                  "decode": at["staged"] - at["received"], "release": released - max(at["staged"], blocked),
+                  "exposed": released - blocked, "overlap": max(blocked - at["sent"], 0.0)}
+        ms = {name: seconds * 1e3 for name, seconds in phases.items()}
+        ms |= {f"server_{name}": getattr(t, name) for name in SERVER_PHASES}
+        ms["server_device_compute"] = max(t.device_compute, 0.0)
+        for name, value in ms.items():
+            self.counters[f"time_{name}_ms"] += value
+        self.counters["num_timed_proposals"] += 1
+        self.timed.append(ms)
+
+    def timed_proposals(self) -> list[dict[str, float]]:
+        """The latest timed proposals' phases, ms each, oldest first (a bench takes percentiles)."""
+        self._harvest()
+        return list(self.timed)
+
+    def _harvest(self) -> None:
+        """Times the deferred proposals whose gate the step's work has passed since."""
+        waiting = []
+        for call in self.awaiting:
+            gate = call.gate
+            if gate.passed_at:
+                self._timed(call, gate.passed_at, gate.blocked_at)
+            else:
+                waiting.append(call)
+        self.awaiting = waiting[-8:]  # a gate the runner dropped (speculation stopped) is never passed
 
     def close(self) -> None:
         self.link.close()
@@ -392,6 +485,8 @@ class RemoteSpeculator(SpeculatorBase):
         self.link.submit(call, self._step(call, states, index))
 
     def propose(self, states: TargetStates, k: int) -> Drafts:
+        start = time.perf_counter()
+        self._harvest()
         rows = states.num_rows
         staging = torch.full((rows, k), -1, dtype=torch.int64, pin_memory=self.pin and self.deferred)
         index = self._served_rows(states)
@@ -404,12 +499,16 @@ class RemoteSpeculator(SpeculatorBase):
             return Drafts(staging.to(self.device))
         call = self._call("propose", states, index)
         call.staging, call.gate = staging.numpy(), gate
+        call.at["start"] = start
         self.counters["num_proposals"] += 1
         self.link.submit(call, self._step(call, states, index, k))
         if gate is not None:
             self.counters["num_deferred"] += 1
+            self.awaiting.append(call)
             return Drafts(staging, ready=gate)
+        waiting = time.perf_counter()
         call.done.wait(2 * self.options.timeout_ms / 1e3 + 1.0)
+        self._timed(call, time.perf_counter(), waiting)
         return Drafts(staging.to(self.device))
 
     # --- rows ---------------------------------------------------------------------------------
@@ -441,35 +540,49 @@ class RemoteSpeculator(SpeculatorBase):
         return Call(self.link.next_id(), kind, [(states.slots[i], states.generations[i]) for i in index], index)
 
     def _step(self, call: Call, states: TargetStates, index: list[int], k: int = 0) -> Any:
-        """The step's rows `index` as the server needs them: their rows, token spans and hidden states."""
-        qs = states.query_start
-        spans = []
-        rows = []
-        accepted = states.accepted.tolist()
+        """The step's rows `index` as the server needs them: their rows, token spans and hidden
+        states. What lives on the device (the spans' tokens, the declared layers' hidden states)
+        is gathered and packed there and read back in one copy, into pinned memory the request's
+        frames then point into; the accepted counts come from the host's own figures."""
+        qs, start, seq = states.query_start, states.start_pos, states.seq_lens
+        rows, slots, positions = [], [], []
         for i in index:
             n = qs[i + 1] - qs[i]
-            lo, hi = states.start_pos[i], max(states.start_pos[i] + n, states.seq_lens[i])
-            spans.append((states.slots[i], lo, hi))
-            rows.append(wire.Row(slot=states.slots[i], generation=states.generations[i],
-                                 start_pos=states.start_pos[i], num_tokens=n, num_drafts=states.num_drafts[i],
-                                 accepted=int(accepted[i]), seq_len=states.seq_lens[i],
-                                 samples=states.samples[i], tokens_from=lo, num_new_tokens=hi - lo,
+            lo, hi = start[i], max(start[i] + n, seq[i])
+            # A row that sampled confirmed its context before the drafts, the drafts it accepted
+            # and one token more: seq_lens says how many it accepted, no device read needed.
+            accepted = seq[i] - (lo + n - states.num_drafts[i]) - 1 if states.samples[i] else 0
+            rows.append(wire.Row(slot=states.slots[i], generation=states.generations[i], start_pos=lo,
+                                 num_tokens=n, num_drafts=states.num_drafts[i], accepted=accepted,
+                                 seq_len=seq[i], samples=states.samples[i], tokens_from=lo, num_new_tokens=hi - lo,
                                  sampling=states.sampling[i]))
-        flat_slots = np.concatenate([np.full(hi - lo, s) for s, lo, hi in spans])
-        flat_pos = np.concatenate([np.arange(lo, hi) for _, lo, hi in spans])
-        tokens = states.tokens[torch.from_numpy(flat_slots).to(states.tokens.device),
-                               torch.from_numpy(flat_pos).to(states.tokens.device)].cpu().numpy()
-        all_rows = len(index) == states.num_rows
-        take = None if all_rows else torch.from_numpy(
-            np.concatenate([np.arange(qs[i], qs[i + 1]) for i in index])).to(states.tokens.device)
-        hidden, dtype = [], "float32"
+            slots.append(np.full(hi - lo, states.slots[i], np.int64))
+            positions.append(np.arange(lo, hi, dtype=np.int64))
+        n_tokens = sum(len(p) for p in positions)
+        take = [] if len(index) == states.num_rows else [np.arange(qs[i], qs[i + 1], dtype=np.int64) for i in index]
+        where = to_device(np.concatenate([*slots, *positions, *take]), self.device)  # one copy to the device
+        parts = [states.tokens[where[:n_tokens], where[n_tokens : 2 * n_tokens]].view(torch.uint8)]
+        shapes = []
         for layer in self.layers:
             h = states.hidden[layer][: qs[-1]]
-            if take is not None:
-                h = h.index_select(0, take)
-            dtype = str(h.dtype).removeprefix("torch.")
-            host = h.contiguous().cpu()
-            hidden.append((host.view(torch.int16) if dtype == "bfloat16" else host).numpy())
+            if take:
+                h = h.index_select(0, where[2 * n_tokens :])
+            shapes.append(tuple(h.shape))
+            parts.append(h.contiguous().view(torch.uint8).reshape(-1))
+        dtype = str(states.hidden[self.layers[0]].dtype).removeprefix("torch.") if self.layers else "float32"
+        packed = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if self.pin:  # one device-to-host copy
+            host = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True).copy_(packed)
+        else:
+            host = packed.cpu()
+        buf = host.numpy()
+        tokens = buf[: 8 * n_tokens].view(np.int64)
+        hidden, offset = [], 8 * n_tokens
+        carrier = np.dtype(wire.HIDDEN_CARRIERS.get(dtype, "float32"))
+        for shape in shapes:
+            size = shape[0] * shape[1] * carrier.itemsize
+            hidden.append(buf[offset : offset + size].view(carrier).reshape(shape))
+            offset += size
         if k:
             return wire.Propose(call.call_id, rows, tokens, hidden, dtype, k)
         return wire.Ingest(call.call_id, rows, tokens, hidden, dtype)

@@ -15,8 +15,11 @@ every step) and drafters whose drafts are sampled from a q that verification mus
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import secrets
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,28 +27,40 @@ import numpy as np
 import torch
 
 from .. import log, registry
-from ..attention import AttentionBackend
+from ..attention import AttentionBackend, AttentionMetadata
 from ..errors import InvalidInputError
 from ..models.checkpoint import read_config, resolve
 from ..models.llama import LlamaModel
 from ..models.loader import load_model
 from ..platform import parse_dtype
 from ..plugin import Speculator, SpeculatorCapabilities, SpeculatorContext, TargetModel, TargetStates
-from ..wire.drafter import HIDDEN_CARRIERS, Describe, Free, Hello, Ingest, Propose, fingerprint
+from ..runner.host_copy import to_device
+from ..wire.drafter import HIDDEN_CARRIERS, Describe, Free, Hello, Ingest, Propose, ServerTiming, fingerprint
 from .check import parse_options
 from .drafter_steps import Key, PaddedSteps
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def hidden_from_wire(a: np.ndarray, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Hidden states as the engine sent them (`HIDDEN_CARRIERS`), in this drafter's dtype."""
-    if name not in TORCH_DTYPES or a.dtype != np.dtype(HIDDEN_CARRIERS[name]):
-        raise InvalidInputError(f"hidden states: {name} cannot travel as {a.dtype}")
-    t = torch.from_numpy(np.array(a))  # frames are read-only: one copy
-    if name == "bfloat16":
-        t = t.view(torch.bfloat16)
-    return t.to(device=device, dtype=dtype)
+def hidden_from_wire(arrays: list[np.ndarray], name: str, device: torch.device, pin: bool) -> list[torch.Tensor]:
+    """Hidden states as the engine sent them (`HIDDEN_CARRIERS`), on the device in their wire
+    dtype. The frames are read-only, so they are copied once, all into one host buffer (pinned
+    where `pin`), which goes to the device in one copy the host does not wait for."""
+    if name not in TORCH_DTYPES or any(a.dtype != np.dtype(HIDDEN_CARRIERS[name]) for a in arrays):
+        raise InvalidInputError(f"hidden states: {name} cannot travel as {[str(a.dtype) for a in arrays]}")
+    if not arrays:
+        return []
+    host = torch.empty(sum(a.nbytes for a in arrays), dtype=torch.uint8, pin_memory=pin)
+    buf, offset = host.numpy(), 0
+    for a in arrays:
+        buf[offset : offset + a.nbytes] = a.reshape(-1).view(np.uint8)
+        offset += a.nbytes
+    on_device = host.to(device, non_blocking=True)
+    out, offset = [], 0
+    for a in arrays:
+        out.append(on_device[offset : offset + a.nbytes].view(TORCH_DTYPES[name]).view(a.shape))
+        offset += a.nbytes
+    return out
 
 
 @dataclass
@@ -94,6 +109,11 @@ class DrafterHost:
         self.session = secrets.randbits(62)
         self.model: LlamaModel | None = None
         self.served: Served | None = None
+        self.timing = ServerTiming()
+        """The phases of the latest step."""
+        self.pin = self.platform.device.type != "cpu"
+        """Host buffers that feed the device are pinned, so copies from them do not wait; there a
+        proposal's device time is taken with events too (the host's clock sees only its issue)."""
 
     def _ctx(self, msg: Describe) -> SpeculatorContext:
         if msg.target != self.identity:
@@ -143,7 +163,7 @@ class DrafterHost:
             ctx, num_kv_blocks=num_blocks, draft_kv=draft_kv, num_slots=msg.num_slots,
             attention=self.platform.attention_backend(bs, max_tokens),
             fused_kernels=self.platform.capabilities.triton,
-            pin_memory=device.type != "cpu")
+            pin_memory=self.pin)
         if caps.uses_target_weights and self.model is None:
             self.model = load_model(self.path, self.dtype, device, width)
         speculator = self.cls(ctx)
@@ -181,19 +201,39 @@ class DrafterHost:
 
     @torch.inference_mode()
     def step(self, msg: Ingest | Propose) -> np.ndarray | None:
-        """The runner's speculator pass over one step; [R, K] int64 drafts for a Propose."""
+        """The runner's speculator pass over one step; [R, K] int64 drafts for a Propose. Its
+        phases are left in `timing` (prepare, compute, d2h; device_compute for a proposal on a
+        device that runs asynchronously)."""
+        started = time.perf_counter()
         served = self._require()
         self._admit(served, msg)
         k = msg.k if isinstance(msg, Propose) else 0
         padded = served.padded
         key = padded.key([r.num_tokens for r in msg.rows], k) if padded is not None else None
+        run: Callable[[], torch.Tensor | None]
         if padded is not None and key is not None:
             self.num_padded_steps += 1
-            ids = self._padded(served, padded, key, msg)
+            meta = self._padded(served, padded, key, msg)
+            run = functools.partial(padded.run, key, meta)
         else:
             self.num_eager_steps += 1
-            ids = self._eager(served, msg, k)
-        return None if ids is None else ids[: len(msg.rows)].to(torch.int64).cpu().numpy()
+            states = self._states(served, msg)
+            run = functools.partial(self._eager, served, states, k)
+        timed = k and self.pin
+        events = [torch.Event(self.platform.device, enable_timing=True) for _ in range(2)] if timed else []
+        prepared = time.perf_counter()
+        for e in events[:1]:
+            e.record()
+        ids = run()
+        for e in events[1:]:
+            e.record()
+        computed = time.perf_counter()
+        out = None if ids is None else ids[: len(msg.rows)].to(torch.int64).cpu().numpy()
+        done = time.perf_counter()
+        self.timing = ServerTiming(prepare=(prepared - started) * 1e3, compute=(computed - prepared) * 1e3,
+                                   d2h=(done - computed) * 1e3,
+                                   device_compute=events[0].elapsed_time(events[1]) if events else -1.0)
+        return out
 
     def _admit(self, served: Served, msg: Ingest) -> None:
         """Checks the step against the drafter's buffers and declared layers, and takes its rows'
@@ -233,19 +273,20 @@ class DrafterHost:
     def _rows(self, msg: Ingest) -> np.ndarray:
         return np.array([(r.slot, r.accepted, r.seq_len, r.samples) for r in msg.rows], np.int64).reshape(-1, 4)
 
-    def _padded(self, served: Served, padded: PaddedSteps, key: Key, msg: Ingest) -> torch.Tensor | None:
+    def _padded(self, served: Served, padded: PaddedSteps, key: Key, msg: Ingest) -> AttentionMetadata:
+        """The step's plan, tokens and hidden states in the padded pass's buffers."""
         tables = [(r.start_pos, r.num_tokens, served.tables[r.slot]) for r in msg.rows]
         meta = padded.plan(key, tables, self._rows(msg), self._token_writes(msg))
         assert meta.tail is not None
         n = meta.tail.numel() // 3
         served.tokens[meta.tail[:n], meta.tail[n : 2 * n]] = meta.tail[2 * n :]
         t = sum(r.num_tokens for r in msg.rows)
-        for layer, a in zip(served.caps.target_hidden_layers, msg.hidden, strict=True):
-            padded.hidden[layer][:t].copy_(hidden_from_wire(a, msg.hidden_dtype, self.platform.device, self.dtype))
-        return padded.run(key, meta)
+        hidden = hidden_from_wire(msg.hidden, msg.hidden_dtype, self.platform.device, self.pin)
+        for layer, h in zip(served.caps.target_hidden_layers, hidden, strict=True):
+            padded.hidden[layer][:t].copy_(h)
+        return meta
 
-    def _eager(self, served: Served, msg: Ingest, k: int) -> torch.Tensor | None:
-        states = self._states(served, msg)
+    def _eager(self, served: Served, states: TargetStates, k: int) -> torch.Tensor | None:
         if k:
             return served.speculator.propose(states, k).token_ids
         served.speculator.sync(states)
@@ -255,14 +296,14 @@ class DrafterHost:
         device = self.platform.device
         rows = msg.rows
         caps = served.caps
-        writes = torch.from_numpy(self._token_writes(msg)).to(device)
+        writes = to_device(self._token_writes(msg), device)
         n = writes.numel() // 3
         served.tokens[writes[:n], writes[n : 2 * n]] = writes[2 * n :]
-        hidden = {layer: hidden_from_wire(a, msg.hidden_dtype, device, self.dtype)
-                  for layer, a in zip(caps.target_hidden_layers, msg.hidden, strict=True)}
+        on_device = hidden_from_wire(msg.hidden, msg.hidden_dtype, device, self.pin)
+        hidden = {layer: h.to(self.dtype) for layer, h in zip(caps.target_hidden_layers, on_device, strict=True)}
         tables = [served.tables[r.slot] for r in rows]
         meta = served.attention.prepare([(r.start_pos, r.num_tokens, tables[i]) for i, r in enumerate(rows)])
-        per_row = torch.from_numpy(self._rows(msg)).to(device).t()
+        per_row = to_device(self._rows(msg), device).t()
         seq_lens = [r.seq_len for r in rows]
         query_start = np.concatenate([[0], np.cumsum([r.num_tokens for r in rows])]).tolist()
         return TargetStates(

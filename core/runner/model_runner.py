@@ -39,6 +39,7 @@ from ..models.paged import new_kv_cache
 from ..outputs import TokenLogprobs
 from ..platform import HostGate
 from ..plugin import Drafts, Speculator, TargetModel, TargetStates
+from .host_copy import to_device
 from .penalties import count_history
 from .sampler import SamplingTensors, sample_on_device, token_logprobs
 from .step_graphs import StepGraphs
@@ -582,17 +583,22 @@ class ModelRunner:
         pending, self.pending_drafts = self.pending_drafts, None
         if pending is None:
             return
-        pending.gate.enqueue()
-        pending.gate.wait()
         owner = {r.slot: r.generation for r in frame.rows}
         keep = [j for j, (slot, generation) in enumerate(pending.keys) if owner.get(slot, generation) == generation]
-        if not keep:
+        # Where the kept drafts go reaches the device before the gate: a copy that waits for
+        # its stream (one from pageable memory) issued behind it would hold the host there
+        # until the reply came, with the step's launch still to do.
+        where = None
+        if keep:
+            rows = [pending.rows[j] for j in keep]
+            where = to_device(np.array([rows, [pending.keys[j][0] for j in keep], [pending.starts[j] for j in keep]],
+                                       np.int64), self.device)
+        pending.gate.enqueue()
+        pending.gate.wait()
+        if where is None:
             return
         ids = self._in_vocab(pending.staging.to(self.device, non_blocking=True))  # the reply's copy, behind the gate
-        rows = torch.tensor([pending.rows[j] for j in keep], dtype=torch.int64, device=self.device)
-        slots = torch.tensor([pending.keys[j][0] for j in keep], dtype=torch.int64, device=self.device)
-        starts = torch.tensor([pending.starts[j] for j in keep], dtype=torch.int64, device=self.device)
-        self.pool.write(slots, starts, ids[rows])
+        self.pool.write(where[1], where[2], ids[where[0]])
 
     @torch.inference_mode()
     def prompt_logits(self, frame: StepFrame) -> torch.Tensor:

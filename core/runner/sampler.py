@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..sampling_params import MIN_TEMPERATURE, RowSampling
+from .host_copy import to_device
 from .penalties import TokenCounts, apply_penalties
 
 MIX = 0x9E3779B97F4A7C15
@@ -223,8 +224,7 @@ class SamplingTensors:
             packed[:3, : len(rows)] = np.array([(s.top_k, s.seed, s.position) for s in rows], np.int64).T
             floats[:, : len(rows)] = np.array([(s.temperature, s.top_p, s.repetition_penalty, s.frequency_penalty,
                                                 s.presence_penalty) for s in rows], np.float64).T
-        host = torch.from_numpy(packed)
-        on_device = host.pin_memory().to(device, non_blocking=True) if device.type != "cpu" else host
+        on_device = to_device(packed, device)
         f = on_device[3:].view(torch.float64).float()
         sampled = [s for s in rows if not is_greedy(s.temperature)]
         return cls(temperature=f[0], top_k=on_device[0], top_p=f[1], seed=on_device[1], position=on_device[2],

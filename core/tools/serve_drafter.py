@@ -46,6 +46,9 @@ from ..wire.drafter import (
 )
 from .engine_args import parse_options
 
+TIMED = ("decode", "hold", "prepare", "compute", "d2h", "send")
+"""`ServerTiming`'s host-clock phases, summed in the server's stats."""
+
 
 def add_arguments(sub: Any) -> None:
     p = sub.add_parser("serve-drafter", help="serve a built-in drafter for one target over ZeroMQ "
@@ -105,6 +108,11 @@ class DrafterServer:
         self.decoder = Decoder(DrafterRequest)
         self.stop = threading.Event()
         self.num_requests = 0
+        self.send_ms = 0.0
+        """Encoding and sending the latest reply (it travels with the next one)."""
+        self.totals: dict[str, float] = dict.fromkeys(TIMED, 0.0)
+        """Per phase, ms summed over the steps served (`stats`)."""
+        self.num_timed = 0
 
     def serve(self) -> None:
         self.log.info("drafter_serving", address=self.address, method=self.host.method, session=self.host.session)
@@ -116,7 +124,9 @@ class DrafterServer:
                 arrived = time.perf_counter()
                 ident, body = frames[0], frames[1:]
                 reply = self.handle(body, arrived)
+                sending = time.perf_counter()
                 self.sock.send_multipart([ident, *self.encoder.encode(reply)], copy=False)
+                self.send_ms = (time.perf_counter() - sending) * 1e3
         finally:
             self.close()
 
@@ -126,8 +136,9 @@ class DrafterServer:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self.log.warning("drafter_bad_frame", error=str(e))
             return Failed(-1, f"undecodable request: {e}")
+        decoded = time.perf_counter()
         self.num_requests += 1
-        self._hold(arrived, 0.5)
+        held = self._hold(arrived, 0.5)
         try:
             reply = self._answer(msg)
         except InvalidInputError as e:
@@ -135,14 +146,32 @@ class DrafterServer:
         except Exception as e:  # a fault in one request never ends the server
             self.log.exception("drafter_request_failed", request=type(msg).__name__)
             reply = Failed(msg.call_id, f"{type(e).__name__}: {e}")
-        self._hold(arrived, 1.0)
+        held += self._hold(arrived, 1.0)
+        if isinstance(reply, Drafted | Done) and isinstance(msg, Ingest):
+            timing = msgspec.structs.replace(self.host.timing, decode=(decoded - arrived) * 1e3, hold=held * 1e3,
+                                             send=self.send_ms)
+            self.num_timed += 1
+            for name in TIMED:
+                self.totals[name] += getattr(timing, name)
+            reply = msgspec.structs.replace(reply, timing=timing)
         return reply
 
-    def _hold(self, arrived: float, fraction: float) -> None:
-        if self.rtt_s:
-            left = arrived + self.rtt_s * fraction - time.perf_counter()
-            if left > 0:
-                time.sleep(left)
+    def stats(self) -> dict[str, float]:
+        """Requests served, and the mean ms per step of each phase."""
+        n = max(self.num_timed, 1)
+        return {"num_requests": self.num_requests, "num_steps": self.num_timed} | {
+            f"mean_{name}_ms": total / n for name, total in self.totals.items()}
+
+    def _hold(self, arrived: float, fraction: float) -> float:
+        """Sleeps until `fraction` of the injected round trip has passed since arrival; the seconds slept."""
+        if not self.rtt_s:
+            return 0.0
+        now = time.perf_counter()
+        left = arrived + self.rtt_s * fraction - now
+        if left <= 0:
+            return 0.0
+        time.sleep(left)
+        return time.perf_counter() - now
 
     def _answer(self, msg: Any) -> DrafterReply:
         host = self.host
@@ -167,6 +196,7 @@ class DrafterServer:
         return Failed(getattr(msg, "call_id", -1), f"unknown request {type(msg).__name__}")
 
     def close(self) -> None:
+        self.log.info("drafter_stats", **self.stats())
         self.sock.close(0)
         self.auth.stop()
         self.ctx.term()

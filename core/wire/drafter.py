@@ -87,6 +87,26 @@ class Ping(msgspec.Struct, **WIRE):
 DrafterRequest = Describe | Hello | Ingest | Propose | Free | Ping
 
 
+class ServerTiming(msgspec.Struct, array_like=True, gc=False):
+    """Where the server spent a request's time, in ms (host clock; on a device that runs
+    asynchronously `d2h` also holds the device work still running when the drafts were asked for,
+    and `device_compute` the pass's own device time, -1 where the server does not time it)."""
+
+    decode: float = 0.0
+    """Frames received -> the request decoded."""
+    hold: float = 0.0
+    """The injected round trip (`--inject-rtt-ms`), both halves."""
+    prepare: float = 0.0
+    """Checks, the step's plan, token and hidden-state copies to the device."""
+    compute: float = 0.0
+    """The drafter's pass, as the host issued it."""
+    d2h: float = 0.0
+    """The drafts to the host."""
+    send: float = 0.0
+    """Encoding and sending the server's previous reply (this one's is not known yet)."""
+    device_compute: float = -1.0
+
+
 class Described(msgspec.Struct, **WIRE):
     call_id: int
     session: int
@@ -103,6 +123,7 @@ class Drafted(msgspec.Struct, **WIRE):
     generations: list[int]
     token_ids: np.ndarray
     """[rows, K] int64; -1 ends a variable-width row."""
+    timing: ServerTiming | None = None
 
 
 class Done(msgspec.Struct, **WIRE):
@@ -110,6 +131,7 @@ class Done(msgspec.Struct, **WIRE):
 
     call_id: int
     session: int = 0
+    timing: ServerTiming | None = None
 
 
 class Failed(msgspec.Struct, **WIRE):

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -179,6 +180,10 @@ def test_cpu_gate_holds_work_until_open() -> None:
     assert ran.wait(5)
     worker.join()
     assert not gate.timed_out
+    # When the work reached the gate, when the host opened it and when the work went on: what
+    # the remote speculator reports as the time a step waited for its drafter's reply.
+    assert 0 < gate.blocked_at < gate.opened_at <= gate.passed_at
+    assert gate.opened_at - gate.blocked_at >= 0.2
 
 
 def test_cpu_gate_opened_early_or_never_enqueued_does_not_block() -> None:
@@ -200,6 +205,30 @@ def test_cpu_gate_opens_itself_on_timeout() -> None:
     started = time.monotonic()
     gate.wait()
     assert time.monotonic() - started < 0.04, "a timed-out gate stays open"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_pinned_copy_queued_behind_a_shut_stream_gate_leaves_the_host_free() -> None:
+    """The runner queues a deferred reply's copy and the step behind a stream gate, then the
+    host goes on: every copy it issues there must be one the host does not wait for. A copy
+    from pageable memory waits for its stream, so for the gate, so for the reply."""
+    from speckernel.runner.host_copy import to_device
+
+    platform = CudaPlatform()
+    gate = platform.host_gate(timeout_s=10)
+    if type(gate) is HostWaitGate:
+        pytest.skip("cuda-bindings is not installed: the host itself waits at the gate")
+    gate.enqueue()
+    opener = threading.Timer(0.5, gate.open)
+    opener.start()
+    started = time.monotonic()
+    pinned = to_device(np.arange(4), platform.device)
+    queued = time.monotonic() - started
+    pageable = torch.from_numpy(np.arange(4)).to(platform.device)
+    held = time.monotonic() - started
+    opener.join()
+    assert queued < 0.25 <= held, (queued, held)
+    assert pinned.tolist() == pageable.tolist() == [0, 1, 2, 3] and not gate.timed_out
 
 
 def test_cuda_gate_falls_back_to_host_waiting_without_cuda_bindings() -> None:

@@ -101,6 +101,24 @@ def plain(prompts: list[list[int]]) -> dict[str, list[list[int]]]:
     return {"greedy": run_to_completion(core, prompts, GREEDY), "seeded": run_to_completion(core, prompts, SEEDED)}
 
 
+def host_accepted(core: EngineCore) -> list[tuple[int, int]]:
+    """Records, for every row a request carries, its accepted count (derived on the host from
+    seq_lens) next to the one the step's verification found on the device. (Compared after the
+    run: the runner isolates what a speculator's pass raises.)"""
+    spec: Any = core.speculator
+    step = spec._step
+    seen: list[tuple[int, int]] = []
+
+    def recording(call: Any, states: Any, index: list[int], k: int = 0) -> Any:
+        msg = step(call, states, index, k)
+        on_device = states.accepted.tolist()
+        seen.extend((r.accepted, on_device[i]) for r, i in zip(msg.rows, index, strict=True))
+        return msg
+
+    spec._step = recording
+    return seen
+
+
 def recorded(core: EngineCore) -> list[tuple[list[tuple[int, int]], Any]]:
     """Records every proposal: its rows' (slot, generation) and its drafts tensor (a deferred
     one's host staging, read once the run is over and every reply has landed)."""
@@ -137,10 +155,13 @@ def test_served_drafter_changes_no_token_and_deferred_drafts_what_sync_drafts(
         caps = core.speculator.capabilities  # type: ignore[union-attr]
         assert caps.placement == "remote" and caps.deferred == (deferred and mode == "true")
         seen = recorded(core)
+        accepted = host_accepted(core)
         greedy = run_to_completion(core, prompts, GREEDY)
         seeded = run_to_completion(core, prompts, SEEDED)
         spec = core.stats()["spec"]
         runs[mode] = (greedy, seeded, drafts_of(core, seen), spec)
+        assert all(host == device for host, device in accepted), accepted
+        assert any(host for host, _ in accepted), "no request carried an accepted draft: nothing was checked"
         assert greedy == plain["greedy"] and seeded == plain["seeded"], mode
         plugin = spec["plugin"]
         assert plugin["num_failed_calls"] == 0 and plugin["num_proposals"] > 0, plugin
@@ -148,6 +169,13 @@ def test_served_drafter_changes_no_token_and_deferred_drafts_what_sync_drafts(
     assert runs["true"][2] == runs["false"][2]  # the same drafts, row by row, step by step
     assert runs["true"][3]["acceptance_per_position"] == runs["false"][3]["acceptance_per_position"]
     assert runs["true"][3]["num_accepted_tokens"] > 0
+    # The served drafter reads what the one in the engine reads (the token spans, the hidden
+    # states, the accepted counts the request derives on the host): it accepts as much, where.
+    local = EngineCore(EngineConfig(platform="cpu", dtype="float32", max_model_len=256, max_num_seqs=2,
+                                    speculator=method, num_speculative_tokens=K))
+    assert run_to_completion(local, prompts, GREEDY) == plain["greedy"]
+    run_to_completion(local, prompts, SEEDED)
+    assert local.stats()["spec"]["acceptance_per_position"] == runs["true"][3]["acceptance_per_position"]
 
 
 def test_a_pending_draft_never_reaches_the_next_owner_of_its_slot(eagle3: Server, tokenizer: Any) -> None:
@@ -324,3 +352,77 @@ def test_fixed_shape_steps_draft_what_steps_at_their_own_size_draft(
             thread.join(5)
         assert (host.num_padded_steps > 0) == graphs and host.num_eager_steps > 0, (graphs, host.num_padded_steps)
     assert runs[True] == runs[False]
+
+
+def test_a_proposal_s_time_is_accounted_phase_by_phase(keys: Path, tmp_path: Path,
+                                                        prompts: list[list[int]]) -> None:
+    """With 30 ms injected by the server, the breakdown `bench remote` reports puts them where
+    they are: in the server's hold, inside the round trip, which holds every server phase; a
+    synchronous step waits the whole round trip, a deferred one at most what was left of it."""
+    server = Server("eagle3", f"ipc://{tmp_path}/slow.sock", keys, "--inject-rtt-ms", "30").start()
+    try:
+        for deferred in (True, False):
+            core = engine(server, deferred=str(deferred).lower())
+            run_to_completion(core, prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+            spec: Any = core.speculator
+            calls = spec.timed_proposals()
+            plugin = core.stats()["spec"]["plugin"]
+            # Every proposal is timed once its reply reached the step that waited for it (a
+            # deferred one when the next step passed its gate: the run's last one never is).
+            assert plugin["num_timed_proposals"] == len(calls) >= plugin["num_proposals"] - int(deferred) > 0
+            assert plugin["time_round_trip_ms"] == pytest.approx(sum(c["round_trip"] for c in calls))
+            for c in calls:
+                assert min(c.values()) >= 0 and c["build"] > 0 and c["encode"] > 0, c
+                served = sum(c[f"server_{p}"] for p in ("decode", "hold", "prepare", "compute", "d2h"))
+                assert c["round_trip"] >= max(served, 30.0), c
+                assert c["server_decode"] + c["server_hold"] >= 14.9, c  # the first half, held from arrival
+                if deferred:  # it waited what the host work after the send left of the reply's way
+                    way = c["round_trip"] + c["decode"] + c["release"]
+                    assert c["exposed"] <= way + 1e-6 and c["exposed"] == pytest.approx(
+                        max(way - c["overlap"], c["release"]), abs=1e-6), c
+                else:  # it waited from right after the send to the reply, and then some
+                    assert c["exposed"] + c["overlap"] >= c["round_trip"] > c["overlap"], c
+            spec.close()
+    finally:
+        server.kill()
+
+
+def test_a_reply_reaches_its_call_without_waiting_for_the_reply_thread_s_next_turn(eagle3: Server) -> None:
+    """The runner's thread sends, the reply thread receives: whichever used the socket last
+    makes sure a reply that is in gets drained, so none waits for the thread's timed turn
+    (100 ms), the worst a lost wake-up would cost."""
+    from speckernel.speculators.remote import Call
+
+    core = engine(eagle3)
+    link: Any = core.speculator.link  # type: ignore[union-attr]
+    waits = []
+    for _ in range(200):
+        call = Call(link.next_id(), "ping", [])
+        started = time.perf_counter()
+        link.submit(call, drafter_wire.Ping(call.call_id))
+        assert call.done.wait(5) and call.ok
+        waits.append(time.perf_counter() - started)
+    assert float(np.percentile(waits, 90)) < 0.05, sorted(waits)[-10:]
+    core.speculator.close()  # type: ignore[union-attr]
+
+
+def test_a_served_draft_model_accepts_what_the_one_in_the_engine_accepts(
+        keys: Path, tmp_path: Path, prompts: list[list[int]], plain: dict[str, list[list[int]]]) -> None:
+    """A drafter with KV of its own that takes in every confirmed token (rolled back past the
+    rejected drafts), resolved deferred: served, it accepts what it accepts in the engine,
+    position by position."""
+    server = Server("draft_model", f"ipc://{tmp_path}/draft_model.sock", keys,
+                    "--speculator-option", "num_layers=24").start()
+    try:
+        stats = {}
+        for where in ("served", "local"):
+            core = engine(server) if where == "served" else EngineCore(EngineConfig(
+                platform="cpu", dtype="float32", max_model_len=256, max_num_seqs=2, speculator="draft_model",
+                num_speculative_tokens=K, speculator_options={"num_layers": "24"}))
+            assert run_to_completion(core, prompts, GREEDY) == plain["greedy"], where
+            assert run_to_completion(core, prompts, SEEDED) == plain["seeded"], where
+            stats[where] = core.stats()["spec"]
+        assert stats["served"]["plugin"]["num_deferred"] > 0 and stats["served"]["num_accepted_tokens"] > 0
+        assert stats["served"]["acceptance_per_position"] == stats["local"]["acceptance_per_position"]
+    finally:
+        server.kill()

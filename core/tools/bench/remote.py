@@ -83,6 +83,9 @@ def measure(config: EngineConfig, prompts: list[list[int]], params: SamplingPara
     before = core.stats()["spec"]
     outputs, periods, elapsed = run(prompts, params)
     spec = core.stats()["spec"]
+    phases = phase_means(before.get("plugin", {}), spec.get("plugin", {}))
+    timed = getattr(core.speculator, "timed_proposals", None)
+    p50 = phase_p50(timed()[-int(phases["num_timed_proposals"]) :]) if phases and callable(timed) else None
     generated = sum(len(o) for o in outputs)
     close = getattr(core.speculator, "close", None)
     if callable(close):
@@ -92,7 +95,35 @@ def measure(config: EngineConfig, prompts: list[list[int]], params: SamplingPara
             "elapsed_s": elapsed, "tokens_per_s": generated / elapsed if elapsed else None,
             "mean_acceptance_length": spec["mean_acceptance_length"],
             "accepted_tokens": spec["num_accepted_tokens"] - before["num_accepted_tokens"],
-            "plugin": spec.get("plugin", {}), "outputs": outputs}
+            "plugin": spec.get("plugin", {}), "phases": phases, "phases_p50": p50, "outputs": outputs}
+
+
+BEFORE_SEND = ("decode", "hold", "prepare", "compute", "d2h")
+"""The server's phases inside a proposal's round trip, up to its reply's send (the `send` a reply
+carries is of the reply before it)."""
+
+
+def phase_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
+    """Mean ms per proposal of each timed phase over the measured run (the remote speculator's
+    `time_*_ms` counters), with `wire`: the round trip less the server's phases before its send
+    (the reply's own send and the transport both ways)."""
+    n = after.get("num_timed_proposals", 0) - before.get("num_timed_proposals", 0)
+    if not n:
+        return None
+    means = {name.removeprefix("time_").removesuffix("_ms"): (after[name] - before.get(name, 0.0)) / n
+             for name in after if name.startswith("time_")}
+    means["wire"] = means["round_trip"] - sum(means[f"server_{p}"] for p in BEFORE_SEND)
+    means["num_timed_proposals"] = n
+    return means
+
+
+def phase_p50(calls: list[dict[str, float]]) -> dict[str, float] | None:
+    """Each phase's p50 over the run's proposals (one slow wake-up on a busy host moves a mean)."""
+    if not calls:
+        return None
+    for c in calls:
+        c["wire"] = c["round_trip"] - sum(c[f"server_{p}"] for p in BEFORE_SEND)
+    return {name: float(np.percentile([c[name] for c in calls], 50)) for name in calls[0]}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -113,8 +144,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     options = {"address": address, "keys": str(keys), "deferred": str(mode == "deferred").lower()}
                     config = msgspec.structs.replace(base, speculator="remote", speculator_options=options, **spec)
                     runs.append({"mode": mode, "rtt_ms": rtt} | measure(config, prompts, params))
-                    print(f"bench remote: rtt {rtt} ms {mode}: step p50 {runs[-1]['step_p50_ms']:.2f} ms",
-                          file=sys.stderr)
+                    phases = runs[-1]["phases"] or {}
+                    print(f"bench remote: rtt {rtt} ms {mode}: step p50 {runs[-1]['step_p50_ms']:.2f} ms; per "
+                          "proposal, ms: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()), file=sys.stderr)
             finally:
                 proc.terminate()
                 proc.wait()
@@ -151,6 +183,30 @@ def markdown(report: dict[str, Any]) -> list[str]:
             f"| {r['mode']} | {r['rtt_ms']:g} | {r['num_steps']} | {cell(r['step_p50_ms'])} | {cell(r['step_p90_ms'])} "
             f"| {cell(r['tokens_per_s'], '.1f')} | {cell(r['mean_acceptance_length'])} | {cell(r['period_vs_sync'])} "
             f"| {cell(failed, '.0f')} | {r['identical_to_local']}/{report['num_prompts']} |")
+    timed = [r for r in report["runs"] if r.get("phases_p50")]
+    if timed:
+        lines += [
+            "",
+            "Where a proposal's time goes, p50 ms per proposal (means in the JSON). Engine: build (the request, its "
+            "device-to-host copy included), encode, send (to the socket: waiting for the reply thread to let go of "
+            "it), round trip (the socket's send call to the reply in), decode (into the staging), release (staged "
+            "to the waiting work going on), exposed (how long the step waited for the reply: what no host work "
+            "hid), overlap (the host work between the send and that wait). Server: decode, hold (the injected "
+            "round trip), prepare (checks, plan, copies to the device), compute (as the host issued it; device: its "
+            "device time, where timed), d2h, send (encoding and sending the reply before); wire: the round trip "
+            "less the server's phases before its send (the reply's own send and the transport both ways).",
+            "",
+            "| mode | injected RTT ms | build | encode | send | round trip | server decode | hold | prepare | compute "
+            "| device | d2h | server send | wire | decode | release | exposed | overlap |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in timed:
+            p = r["phases_p50"]
+            device = p.get("server_device_compute") if p.get("server_device_compute") else None
+            cells = [p["build"], p["encode"], p["send"], p["round_trip"], p["server_decode"], p["server_hold"],
+                     p["server_prepare"], p["server_compute"], device, p["server_d2h"], p["server_send"], p["wire"],
+                     p["decode"], p["release"], p["exposed"], p["overlap"]]
+            lines.append(f"| {r['mode']} | {r['rtt_ms']:g} | " + " | ".join(cell(c, ".3f") for c in cells) + " |")
     return lines
 
 
