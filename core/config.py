@@ -62,6 +62,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Where device graphs are captured, a prompt runs in steps of its own (one request, at most
     the largest captured prompt graph's tokens a step), taking turns with decode steps, so every
     step replays a graph; False lets prompts share decode steps, which then run eagerly."""
+    prompt_steps_per_decode: Positive = 4
+    """With prompts apart, while more than one prompt waits: prompt steps that may run between
+    two decode steps (one prompt waiting: they alternate). A burst of arrivals gets its first
+    tokens sooner; running requests wait up to that many prompt steps for their next token."""
+    prompt_batches: bool = True
+    """With prompts apart: graphs of steps that hold several prompts (up to 16, 2048 tokens, each
+    row's chunk at most the largest one-prompt graph's) are captured too, and while several
+    prompts wait they share such steps instead of taking one step each."""
     adaptive_speculation: bool | None = None
     """Let measured step times turn drafting off (K=0 steps) for batch sizes where verifying
     drafts costs more than it yields (`speckernel.kernel.spec_governor`). None: on where the

@@ -36,7 +36,7 @@ from ..ops.jit_watch import WATCH as JIT_WATCH
 from ..platform import parse_dtype
 from ..plugin import Speculator, SpeculatorCapabilities
 from ..runner.model_runner import ModelRunner, PendingStep
-from ..runner.step_graphs import StepGraphs, prefill_buckets, warm_eager
+from ..runner.step_graphs import StepGraphs, prefill_buckets, prompt_batch_buckets, warm_eager
 from ..sampling_params import NO_PIPELINE_LOGPROBS
 from ..wire.messages import (
     AbortRequests,
@@ -113,7 +113,9 @@ class EngineCore:
         self.scheduler = Scheduler(BlockManager(kv.num_blocks, config.block_size),
                                    config.max_num_seqs, config.max_num_batched_tokens, policy,
                                    async_scheduling=config.async_scheduling, pipeline=pipeline,
-                                   prompt_tokens_apart=self._prompt_tokens_apart())
+                                   prompt_tokens_apart=self._prompt_tokens_apart(),
+                                   prompt_steps_per_decode=config.prompt_steps_per_decode,
+                                   prompt_batch=self._prompt_batch())
         self.ledger = Ledger(self.scheduler)
         self.governor = self._governor(caps, k)
         if self.governor is not None:
@@ -189,6 +191,13 @@ class EngineCore:
             return 0
         return max(graphs.prefill)
 
+    def _prompt_batch(self) -> tuple[int, int]:
+        """(rows, tokens) of the largest several-prompt graph, where prompts run apart ((1, 0): none)."""
+        graphs = getattr(self.runner, "graphs", None)
+        if not self._prompt_tokens_apart() or graphs is None or not graphs.prompt_batches:
+            return (1, 0)
+        return max(r for r, _ in graphs.prompt_batches), max(t for _, t in graphs.prompt_batches)
+
     def close(self) -> None:
         """Stops what the core started (the pipeline's stage processes)."""
         if isinstance(self.runner, Pipeline):
@@ -220,9 +229,12 @@ class EngineCore:
         if not (self.platform.capabilities.supports_graphs and not config.enforce_eager
                 and runner.attention.supports_padding and runner.attention.device_planned):
             return None
+        max_tokens = min(config.max_num_batched_tokens, self.max_model_len)
         graphs = StepGraphs(runner, self.platform, config.max_num_seqs, verify_widths=(0, k),
                             propose_widths=(0, k) if caps is not None and caps.device_only else (0,),
-                            prefill_tokens=prefill_buckets(min(config.max_num_batched_tokens, self.max_model_len)))
+                            prefill_tokens=prefill_buckets(max_tokens),
+                            prompt_batches=prompt_batch_buckets(config.max_num_seqs, config.max_num_batched_tokens)
+                            if config.prompts_apart and config.prompt_batches else ())
         try:
             graphs.capture()
         except Exception:  # the engine still serves, eagerly; stats show no graph steps

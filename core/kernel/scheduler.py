@@ -10,7 +10,11 @@ prompt plus the output it already has.
 Where the device replays captured graphs of decode steps and of one prompt at a time, a step
 that mixes a prompt with decode rows (or holds several prompts) runs eagerly, at many times a
 graph's cost on a GPU host. There (`prompt_tokens_apart`) a step is either decode rows only or
-one request's prompt chunk, and the two kinds take turns while both have work.
+one request's prompt chunk, and the two kinds take turns while both have work: one for one
+while a single prompt waits, up to `prompt_steps_per_decode` prompt steps per decode step while
+several do (a burst of arrivals would otherwise wait two steps per prompt ahead of it). Where
+graphs of several-prompt steps exist too (`prompt_batch`), a prompt step while several prompts
+wait holds up to that many rows and tokens, each row's chunk at most `prompt_tokens_apart`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from .spec_policy import SpecPolicy
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  spec: SpecPolicy | None = None, async_scheduling: bool = False, pipeline: bool = False,
-                 prompt_tokens_apart: int = 0) -> None:
+                 prompt_tokens_apart: int = 0, prompt_steps_per_decode: int = 1,
+                 prompt_batch: tuple[int, int] = (1, 0)) -> None:
         self.blocks = block_manager
         self.pipeline = pipeline
         """Pipeline stages: several frames in flight whose output the first stage has not seen;
@@ -40,8 +45,13 @@ class Scheduler:
         self.prompt_tokens_apart = prompt_tokens_apart
         """0: prompts share steps with decode rows. N: a prompt runs in steps of its own, one
         request and at most N tokens (the largest captured prompt graph) a step."""
-        self.prompt_turn = True
-        """With prompts apart: the next step goes to a prompt if one can run (else to decode rows)."""
+        self.prompt_steps_per_decode = max(1, prompt_steps_per_decode)
+        """With prompts apart and several prompts waiting: prompt steps that may run in a row."""
+        self.prompt_streak = 0
+        """With prompts apart: prompt steps since the last decode step."""
+        self.prompt_batch = prompt_batch
+        """With prompts apart: (rows, tokens) a prompt step may hold while several prompts wait
+        ((1, 0): one prompt a step)."""
         self.spec = spec
         self.requests: dict[int, Request] = {}
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
@@ -90,21 +100,49 @@ class Scheduler:
         if not self.prompt_tokens_apart:
             return self._frame(self._rows(self.max_num_batched_tokens, prompts=True))
         # Prompt and decode steps take turns; either kind goes on alone while the other has no work.
-        for prompt in (self.prompt_turn, not self.prompt_turn):
+        prompt_first = self.prompt_streak < self._prompt_turns()
+        for prompt in (prompt_first, not prompt_first):
             if rows := self._prompt_rows() if prompt else self._rows(self.max_num_batched_tokens, prompts=False):
-                self.prompt_turn = not prompt
+                self.prompt_streak = self.prompt_streak + 1 if prompt else 0
                 return self._frame(rows)
         return None
+
+    def _num_prompts_waiting(self) -> int:
+        return len(self.waiting) + sum(1 for r in self.running if self.in_prompt(r))
+
+    def _prompt_turns(self) -> int:
+        """Prompt steps in a row before decode rows get a step: one while a single prompt waits."""
+        if self.prompt_steps_per_decode == 1:
+            return 1
+        return self.prompt_steps_per_decode if self._num_prompts_waiting() > 1 else 1
 
     def _prompt_rows(self) -> list[ScheduledRow]:
         """One request's next prompt chunk: the first running request still in its prompt (its
         frame in flight applied), else the first waiting one that gets a slot and blocks."""
         budget = min(self.max_num_batched_tokens, self.prompt_tokens_apart)
+        if self.prompt_batch[0] > 1 and self._num_prompts_waiting() > 1 and (rows := self._several_prompts(budget)):
+            return rows
         req = next((r for r in self.running if self.in_prompt(r) and not r.in_flight), None)
         if req is None:
             return self._admit(budget, max_rows=1)
         n_known, _, _ = self._plan(req, budget)
         return [self._row(req, n_known, [], 0)] if self._fit(req, n_known) else []
+
+    def _several_prompts(self, per_row: int) -> list[ScheduledRow]:
+        """While several prompts wait: running requests' next prompt chunks, then waiting ones,
+        up to `prompt_batch` rows and tokens, each chunk at most per_row and at least two tokens
+        (a step of prompts never holds what looks like a decode row). Nothing is preempted: a
+        prompt whose blocks are not free waits for a step of its own."""
+        max_rows, budget = self.prompt_batch[0], min(self.max_num_batched_tokens, self.prompt_batch[1])
+        rows: list[ScheduledRow] = []
+        for req in [r for r in self.running if self.in_prompt(r) and not r.in_flight]:
+            if len(rows) == max_rows or budget < 2:
+                return rows
+            n_known, _, _ = self._plan(req, min(budget, per_row))
+            if n_known >= 2 and self.blocks.ensure(req, self._slots_needed(req, n_known)):
+                rows.append(self._row(req, n_known, [], 0))
+                budget -= n_known
+        return rows + self._admit(budget, max_rows=max_rows - len(rows), per_row=per_row)
 
     @staticmethod
     def in_prompt(req: Request) -> bool:
@@ -154,12 +192,15 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, budget: int, max_rows: int) -> list[ScheduledRow]:
-        """Waiting requests, in order, while the budget, max_num_seqs and their blocks allow."""
+    def _admit(self, budget: int, max_rows: int, per_row: int | None = None) -> list[ScheduledRow]:
+        """Waiting requests, in order, while the budget, max_num_seqs and their blocks allow; with
+        per_row (a step of several prompts), rows of 2 to per_row tokens."""
         rows: list[ScheduledRow] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(rows) < max_rows:
             req = self.waiting[0]
-            n_known, _, _ = self._plan(req, budget)
+            n_known, _, _ = self._plan(req, budget if per_row is None else min(budget, per_row))
+            if per_row is not None and n_known < 2:
+                break
             if not self.blocks.ensure(req, self._slots_needed(req, n_known)):
                 break
             self.waiting.popleft()

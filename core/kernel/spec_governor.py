@@ -14,7 +14,10 @@ step, each a captured graph replayed), a bucket decides from those costs and the
 measured on every verifying row instead: drafting pays while the tokens a verifying row
 confirms per drafting step's second are at least (1 - margin) of one token per plain step's
 second. No plain step is spent measuring; while drafting does not pay, a bucket still drafts
-once every `explore_every` of its steps, so the acceptance follows the workload.
+once every `explore_every` of its steps, so the acceptance follows the workload. Acceptance is
+weighed per row over about the last `row_memory` verifying rows, not per step: at batch 1 a
+step is one row, whose acceptance swings from 1 to K+1, and a per-step average turned a drafter
+off after a few steps without a match (below the line, it learns again on exploration steps only).
 """
 
 from __future__ import annotations
@@ -44,23 +47,32 @@ class SpecGovernor:
     """Steps of each kind a bucket must have measured before drafting may be turned off (with
     step costs: verifying rows measured before acceptance counts)."""
     smoothing: float = 0.2
-    """Weight of the newest step in the moving averages."""
+    """Weight of the newest step in the online moving averages of tokens per second."""
+    row_memory: int = 256
+    """Verifying rows the acceptance estimate remembers, roughly (each row's weight decays by
+    1 - 1/row_memory per later row)."""
     estimates: dict[int, _Estimate] = field(default_factory=dict)
     num_vetoed: int = 0
     """Steps the governor turned into K=0 steps."""
     step_costs: dict[int, tuple[float, float]] = field(default_factory=dict)
     """Per bucket, seconds of a (plain, drafting) step measured at start; empty: measure online."""
-    tokens_per_row: float | None = None
-    """Moving average of the tokens a verifying row confirms in a step (its accepted drafts + 1)."""
     num_verified_rows: int = 0
+    _tokens: float = 0.0
+    _rows: float = 0.0
+    """Decayed sums of the tokens verifying rows confirmed and of those rows."""
+
+    @property
+    def tokens_per_row(self) -> float | None:
+        """Tokens a verifying row confirms in a step (its accepted drafts + 1), over the recent rows."""
+        return self._tokens / self._rows if self._rows else None
 
     def record_rows(self, num_rows: int, tokens: int) -> None:
         """A step's verifying rows and the tokens they confirmed (what acceptance is worth)."""
         if num_rows <= 0:
             return
-        per_row = tokens / num_rows
-        old = self.tokens_per_row
-        self.tokens_per_row = per_row if old is None else (1 - self.smoothing) * old + self.smoothing * per_row
+        keep = (1 - 1 / self.row_memory) ** num_rows
+        self._tokens = keep * self._tokens + tokens
+        self._rows = keep * self._rows + num_rows
         self.num_verified_rows += num_rows
 
     def pays(self, rows: int) -> bool | None:

@@ -5,8 +5,10 @@ A step of R rows, each with one input token and up to K drafts to verify, pads t
 captured row bucket and verify width (0 or K): its device work (input gather, forward,
 logits, sampling or verification, the token-buffer write, a device-only speculator's pass) is
 one graph replay instead of hundreds of kernel launches. A step of one row's prompt (or a
-chunk of it) pads to the next captured token bucket: eagerly, its launches cost the host tens
-of milliseconds, all of it time to the first token. The graphs read the runner's persistent
+chunk of it) pads to the next captured token bucket, and a step of several prompts (a burst
+of arrivals) to the next captured (rows, tokens) prompt bucket, each row's chunk at most the
+largest one-row bucket: eagerly, their launches cost the host tens of milliseconds, all of it
+time to the first token. The graphs read the runner's persistent
 buffers, which the host refills before each replay; padding rows write only to the token
 buffer's spare row, padding tokens to no KV slot.
 """
@@ -38,9 +40,21 @@ PREFILL_BUCKETS = (32, 64, 128, 256, 512)
 where its launches weigh less next to its compute."""
 
 
+PROMPT_BATCH_BUCKETS = ((4, 1024), (16, 2048))
+"""(rows, tokens) of the captured several-prompt steps: a burst's prompts share a step, each
+row's chunk at most the largest one-row bucket, instead of one graph step per prompt."""
+
+
 def prefill_buckets(max_tokens: int) -> list[int]:
     """The prompt-step buckets a step of at most `max_tokens` tokens can use."""
     return [b for b in PREFILL_BUCKETS if b <= max_tokens]
+
+
+def prompt_batch_buckets(max_rows: int, max_tokens: int) -> list[tuple[int, int]]:
+    """The several-prompt buckets that fit `max_rows` rows and `max_tokens` tokens a step (a
+    bucket's tokens are cut to the budget), each over the largest one-row bucket."""
+    buckets = {(min(rows, max_rows), min(tokens, max_tokens)) for rows, tokens in PROMPT_BATCH_BUCKETS}
+    return sorted(b for b in buckets if b[0] > 1 and b[1] > max(prefill_buckets(max_tokens), default=0))
 
 
 def row_buckets(max_rows: int) -> list[int]:
@@ -73,7 +87,8 @@ def warm_eager(runner: StepDevice, verify_widths: Iterable[int], max_tokens: int
 
 class StepGraphs:
     def __init__(self, runner: StepDevice, platform: Platform, max_rows: int, verify_widths: Iterable[int],
-                 propose_widths: Iterable[int] = (0,), prefill_tokens: Iterable[int] = ()) -> None:
+                 propose_widths: Iterable[int] = (0,), prefill_tokens: Iterable[int] = (),
+                 prompt_batches: Iterable[tuple[int, int]] = ()) -> None:
         self.runner = runner
         self.platform = platform
         self.buckets = row_buckets(max_rows)
@@ -83,15 +98,19 @@ class StepGraphs:
         """Drafts a device-only speculator proposes inside the step (0: its sync pass)."""
         self.prefill = sorted(set(prefill_tokens))
         """Token buckets of one-row steps without drafts (a prompt, or a chunk of one)."""
+        self.prompt_batches = sorted(set(prompt_batches)) if self.prefill else []
+        """(rows, tokens) buckets of several-prompt steps, each row at most max(prefill) tokens."""
         self.graphs: dict[StepShape, tuple[DeviceGraph, DeviceOutputs]] = {}
         self.pool: object | None = None
         self.buffer_ptr = 0
         self.num_replays = 0
 
     def shapes(self) -> list[StepShape]:
+        batches = [self._batch_shape(rows, tokens, greedy, filt, propose) for propose in self.propose_widths
+                   for rows, tokens in reversed(self.prompt_batches) for greedy, filt in SAMPLING_KINDS]
         prompts = [self._prefill_shape(tokens, greedy, filt, propose) for propose in self.propose_widths
                    for tokens in reversed(self.prefill) for greedy, filt in SAMPLING_KINDS]
-        return prompts + [self._shape(rows, verify, greedy, filt, propose) for verify in self.verify_widths
+        return batches + prompts + [self._shape(rows, verify, greedy, filt, propose) for verify in self.verify_widths
                           for propose in self.propose_widths
                           for rows in reversed(self.buckets) for greedy, filt in SAMPLING_KINDS]
 
@@ -104,6 +123,10 @@ class StepGraphs:
     def _prefill_shape(tokens: int, all_greedy: bool, any_filter: bool, propose: int = 0) -> StepShape:
         return StepShape(rows=1, tokens=tokens, verify_width=0, max_query_len=tokens, all_greedy=all_greedy,
                          any_filter=any_filter, propose_width=propose)
+
+    def _batch_shape(self, rows: int, tokens: int, all_greedy: bool, any_filter: bool, propose: int = 0) -> StepShape:
+        return StepShape(rows=rows, tokens=tokens, verify_width=0, max_query_len=max(self.prefill),
+                         all_greedy=all_greedy, any_filter=any_filter, propose_width=propose)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -120,7 +143,7 @@ class StepGraphs:
         self.platform.synchronize()
         self.buffer_ptr = self._buffer_ptr()
         log.info("graphs_captured", num_graphs=len(self.graphs), row_buckets=self.buckets,
-                 verify_widths=self.verify_widths, prefill_tokens=self.prefill)
+                 verify_widths=self.verify_widths, prefill_tokens=self.prefill, prompt_batches=self.prompt_batches)
 
     def _record(self, meta: AttentionMetadata, shape: StepShape) -> tuple[DeviceGraph, DeviceOutputs]:
         for _ in range(2):  # compiles kernels and settles the allocator outside the capture
@@ -149,6 +172,11 @@ class StepGraphs:
             if tokens is None:
                 return None
             padded = self._prefill_shape(tokens, shape.all_greedy, any_filter, shape.propose_width)
+        elif shape.verify_width == 0 and self.prefill and shape.max_query_len <= max(self.prefill):  # several prompts
+            bucket = next(((r, t) for r, t in self.prompt_batches if r >= shape.rows and t >= shape.tokens), None)
+            if bucket is None:
+                return None
+            padded = self._batch_shape(*bucket, shape.all_greedy, any_filter, shape.propose_width)
         else:
             return None
         if self._buffer_ptr() != self.buffer_ptr:  # a bigger step grew the plan buffer the graphs read

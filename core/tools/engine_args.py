@@ -76,6 +76,12 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="never replay captured device graphs (they are captured at start on CUDA)")
     p.add_argument("--no-prompts-apart", action="store_true",
                    help="let prompts share decode steps where graphs are captured (those steps then run eagerly)")
+    p.add_argument("--prompt-steps-per-decode", type=int, default=4, metavar="N",
+                   help="with prompts apart, prompt steps that may run between two decode steps while several "
+                        "prompts wait (default: 4; 1 alternates)")
+    p.add_argument("--no-prompt-batches", action="store_true",
+                   help="with prompts apart, capture no graphs of several-prompt steps: a burst of prompts "
+                        "takes one step each")
     p.add_argument("--batch-invariant", action="store_true",
                    help="kernels whose results for a token do not depend on the rest of the batch: "
                         "speculative greedy output equals plain greedy output token for token, in bf16 too")
@@ -147,6 +153,8 @@ def config_from(args: argparse.Namespace) -> EngineConfig:
                         num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
                         skip_drafts=not args.no_skip_drafts, enforce_eager=args.enforce_eager,
                         prompts_apart=not args.no_prompts_apart,
+                        prompt_steps_per_decode=args.prompt_steps_per_decode,
+                        prompt_batches=not args.no_prompt_batches,
                         batch_invariant=args.batch_invariant,
                         adaptive_speculation=args.adaptive_speculation,
                         speculator_options=parse_options(args.speculator_option),

@@ -20,9 +20,9 @@ from speckernel.wire.messages import AddRequest
 PROMPT_LENS = (3, 40, 7, 25, 12, 60)
 
 
-def staggered(core: EngineCore, apart: int) -> tuple[dict[int, list[int]], list[str]]:
-    """Each request arrives after the one before it has decoded a few steps. Returns the outputs
-    and each step's kind: P (one prompt row), D (decode rows only), M (mixed)."""
+def staggered(core: EngineCore, apart: int, gap: int = 3) -> tuple[dict[int, list[int]], list[str]]:
+    """Each request arrives after the one before it has run `gap` steps (0: all at once). Returns
+    the outputs and each step's kind: P (one prompt row), D (decode rows only), M (mixed)."""
     core.scheduler.prompt_tokens_apart = apart
     rng = np.random.default_rng(3)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -41,7 +41,7 @@ def staggered(core: EngineCore, apart: int) -> tuple[dict[int, list[int]], list[
     for key, n in enumerate(PROMPT_LENS):
         out[key] = []
         assert core.add_request(AddRequest(key, rng.integers(0, 500, n), params)) is None
-        for _ in range(3):
+        for _ in range(gap):
             for delta in core.step():
                 out[delta.key] += delta.new_token_ids
     while core.scheduler.requests:
@@ -61,4 +61,16 @@ def test_prompts_apart_give_the_mixed_schedules_output(spec: dict[str, Any]) -> 
     assert "M" in mixed_kinds and "M" not in kinds, (mixed_kinds, kinds)
     # 3 + 40 + 7 + 25 + 12 + 60 prompt tokens in chunks of at most 16: 1+3+1+2+1+4 prompt steps.
     assert kinds.count("P") == 12
+    assert apart == mixed
+
+
+def test_a_burst_of_prompts_runs_several_prompt_steps_per_decode_step() -> None:
+    """All six arrive at once: while several wait, up to `prompt_steps_per_decode` prompt steps
+    run between decode steps, and the output is still the mixed schedule's."""
+    config = EngineConfig(model="random:tiny", platform="cpu", dtype="float32", max_model_len=256,
+                          max_num_seqs=8, max_num_batched_tokens=64, in_process=True, prompt_steps_per_decode=3)
+    mixed, _ = staggered(EngineCore(config), 0, gap=0)
+    apart, kinds = staggered(EngineCore(config), 16, gap=0)
+    steps = "".join(kinds)
+    assert "M" not in steps and "PPP" in steps and "PPPP" not in steps, steps
     assert apart == mixed

@@ -121,9 +121,11 @@ class Track:
 
 class Oracle:
     def __init__(self, policy: SpecPolicy | None, async_scheduling: bool, max_num_seqs: int,
-                 max_num_batched_tokens: int, block_size: int, prompt_tokens_apart: int = 0) -> None:
+                 max_num_batched_tokens: int, block_size: int, prompt_tokens_apart: int = 0,
+                 prompt_batch: tuple[int, int] = (1, 0)) -> None:
         self.policy = policy
         self.prompt_tokens_apart = prompt_tokens_apart
+        self.prompt_batch = prompt_batch
         self.async_scheduling = async_scheduling
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -190,11 +192,17 @@ class Oracle:
         policy = self.policy
         assert frame.num_speculative_tokens == (policy.num_speculative_tokens if policy else 0), "wrong K"
         assert len({r.key for r in frame.rows}) == len(frame.rows), "one row per request per frame"
-        if self.prompt_tokens_apart:  # a prompt step holds one row of at most that many tokens
+        if self.prompt_tokens_apart:  # a prompt step holds prompt rows of at most that many tokens each
             prompt_rows = [r for r in frame.rows if r.num_tokens - r.num_drafts > 1]
-            assert not prompt_rows or (len(frame.rows) == 1 and frame.rows[0].num_tokens <= self.prompt_tokens_apart), \
-                f"step {frame.step_id}: a prompt shares its step, or runs past {self.prompt_tokens_apart} tokens"
+            apart, (max_rows, batch_tokens) = self.prompt_tokens_apart, self.prompt_batch
+            several = len(frame.rows) > 1
+            assert not prompt_rows or all(r.num_tokens <= apart for r in frame.rows), \
+                f"step {frame.step_id}: a prompt row runs past {apart} tokens"
+            assert not prompt_rows or not several or (
+                len(prompt_rows) == len(frame.rows) <= max_rows and frame.num_tokens <= batch_tokens), \
+                f"step {frame.step_id}: a prompt shares its step with a decode row, or a prompt step is over its bounds"
             self.stats["prompt_frames"] += bool(prompt_rows)
+            self.stats["several_prompt_frames"] += bool(prompt_rows) and several
         budget = self.max_num_batched_tokens
         may_use_drafts = False
         for row in frame.rows:
@@ -565,12 +573,14 @@ class Harness:
 
     def __init__(self, policy: SpecPolicy | None, async_scheduling: bool, *, num_blocks: int = 24,
                  block_size: int = 4, max_num_seqs: int = 4, max_num_batched_tokens: int = 12,
-                 max_frames_in_flight: int = 3, prompt_tokens_apart: int = 0) -> None:
+                 max_frames_in_flight: int = 3, prompt_tokens_apart: int = 0,
+                 prompt_steps_per_decode: int = 1, prompt_batch: tuple[int, int] = (1, 0)) -> None:
         self.sched = Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens,
-                               spec=policy, async_scheduling=async_scheduling, prompt_tokens_apart=prompt_tokens_apart)
+                               spec=policy, async_scheduling=async_scheduling, prompt_tokens_apart=prompt_tokens_apart,
+                               prompt_steps_per_decode=prompt_steps_per_decode, prompt_batch=prompt_batch)
         self.ledger = Ledger(self.sched)
         self.oracle = Oracle(policy, async_scheduling, max_num_seqs, max_num_batched_tokens, block_size,
-                             prompt_tokens_apart)
+                             prompt_tokens_apart, prompt_batch)
         self.in_flight: list[StepFrame] = []
         self.max_frames_in_flight = max_frames_in_flight
         self.keys = itertools.count(1)

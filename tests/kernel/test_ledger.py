@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -42,22 +43,27 @@ class LedgerMachine(RuleBasedStateMachine):
     async_scheduling = False
     run_ahead = False
     prompts_apart = False
-    """Prompts in steps of their own (`Scheduler.prompt_tokens_apart`, drawn from 2 to 8 tokens)."""
+    """Prompts in steps of their own (`Scheduler.prompt_tokens_apart`, drawn from 2 to 8 tokens),
+    up to 1-4 of them (drawn) between two decode steps while several wait, and (drawn) steps of
+    up to 1-4 prompts and 2x-3x those tokens while several wait (`Scheduler.prompt_batch`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.h: Harness
 
     @initialize(k=st.integers(1, 3), lookahead=st.integers(0, 3), skip=st.booleans(), seqs=st.integers(2, 4),
-                budget=st.integers(4, 16), blocks=st.integers(8, 20), apart=st.integers(2, 8))
-    def setup(self, k: int, lookahead: int, skip: bool, seqs: int, budget: int, blocks: int, apart: int) -> None:
+                budget=st.integers(4, 16), blocks=st.integers(8, 20), apart=st.integers(2, 8),
+                turns=st.integers(1, 4), batch_rows=st.integers(1, 4), batch_scale=st.integers(2, 3))
+    def setup(self, k: int, lookahead: int, skip: bool, seqs: int, budget: int, blocks: int, apart: int,
+              turns: int, batch_rows: int, batch_scale: int) -> None:
         policy = None
         if self.width is not None:
             policy = SpecPolicy(num_speculative_tokens=k, lookahead_slots=lookahead,
                                 variable_width=self.width == "variable", skip_drafts=skip,
                                 run_ahead=self.run_ahead)
         self.h = Harness(policy, self.async_scheduling, num_blocks=blocks, max_num_seqs=seqs,
-                         max_num_batched_tokens=budget, prompt_tokens_apart=apart if self.prompts_apart else 0)
+                         max_num_batched_tokens=budget, prompt_tokens_apart=apart if self.prompts_apart else 0,
+                         prompt_steps_per_decode=turns, prompt_batch=(batch_rows, batch_scale * apart))
 
     @rule(data=st.data(), n=st.integers(1, 4))
     def add(self, data: st.DataObject, n: int) -> None:
@@ -162,8 +168,9 @@ WALK_CASES = [(None, False, False), (None, True, False), ("fixed", False, False)
 
 
 def walk(width: str | None, async_scheduling: bool, seed: int, steps: int = 1200,
-         run_ahead: bool = False) -> Counter[str]:
-    """Six kernels of random shape, driven with a seeded RNG and drained; returns the oracle's tallies."""
+         run_ahead: bool = False, **harness: Any) -> Counter[str]:
+    """Six kernels of random shape, driven with a seeded RNG and drained; returns the oracle's
+    tallies. harness: more of the Harness's settings."""
     rng = random.Random(seed)
     stats: Counter[str] = Counter()
     for _ in range(6):
@@ -173,7 +180,7 @@ def walk(width: str | None, async_scheduling: bool, seed: int, steps: int = 1200
                                 variable_width=width == "variable", skip_drafts=rng.random() < 0.8,
                                 run_ahead=run_ahead)
         h = Harness(policy, async_scheduling, num_blocks=rng.randint(8, 12), max_num_seqs=rng.randint(3, 4),
-                    max_num_batched_tokens=rng.randint(4, 16))
+                    max_num_batched_tokens=rng.randint(4, 16), **harness)
         for _ in range(steps // 6):
             action = rng.choices(["add", "schedule", "apply", "abort", "preempt"], [3, 10, 10, 0.5, 0.5])[0]
             if action == "add":
@@ -212,6 +219,13 @@ def test_seeded_walk_reaches_every_case(width: str | None, async_scheduling: boo
     else:
         assert not stats["shifted_rows"], "a shifted row without run-ahead"
     missing = [w for w in wanted if not stats[w]]
+    assert not missing, f"never reached: {missing} ({dict(stats)})"
+
+
+def test_seeded_walk_with_prompts_apart_reaches_steps_of_several_prompts() -> None:
+    stats = walk("fixed", True, seed=99, prompt_tokens_apart=4, prompt_steps_per_decode=3, prompt_batch=(3, 10))
+    missing = [w for w in ("prompt_frames", "several_prompt_frames", "preempted_by_scheduler", "accept_some")
+               if not stats[w]]
     assert not missing, f"never reached: {missing} ({dict(stats)})"
 
 

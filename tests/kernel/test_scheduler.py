@@ -85,25 +85,56 @@ def applied(sched: Scheduler, frame: object) -> None:
             req.output_token_ids.append(7)
 
 
+def step_kinds(sched: Scheduler, steps: int, arrivals: dict[int, list[Request]], max_prompt_rows: int = 1) -> str:
+    """Runs `steps` steps, adding each step's arrivals first; each step's kind: D (decode rows
+    only), P (one prompt row) or the number of prompt rows. Every prompt row is at most the
+    scheduler's prompt_tokens_apart, and a prompt never shares its step with a decode row."""
+    kinds = []
+    for step in range(steps):
+        for req in arrivals.get(step, []):
+            sched.add(req)
+        frame = sched.schedule()
+        assert frame is not None
+        prompt = [r for r in frame.rows if r.num_tokens > 1]
+        assert all(r.num_tokens <= sched.prompt_tokens_apart for r in prompt), frame.rows
+        assert not prompt or len(frame.rows) == 1 or len(frame.rows) == len(prompt) <= max_prompt_rows, frame.rows
+        kinds.append(str(len(prompt)) if len(prompt) > 1 else "P" if prompt else "D")
+        applied(sched, frame)
+    return "".join(kinds)
+
+
 def test_prompts_apart_take_turns_with_decode_rows_one_prompt_at_a_time() -> None:
     """Where prompts run apart, a step is decode rows only or one prompt chunk of at most N
     tokens, and while both have work they alternate: decode rows never wait two prompt steps."""
     sched = Scheduler(BlockManager(256, 4), max_num_seqs=8, max_num_batched_tokens=64, prompt_tokens_apart=8)
-    for key in range(2):
-        sched.add(make(key, 5, max_tokens=30))
-    kinds = []
-    for step in range(24):
-        if step == 4:
-            for key in range(2, 5):
-                sched.add(make(key, 20, max_tokens=30))
-        frame = sched.schedule()
-        assert frame is not None
-        prompt = [r for r in frame.rows if r.num_tokens > 1]
-        assert not prompt or (len(frame.rows) == 1 and frame.rows[0].num_tokens <= 8), frame.rows
-        kinds.append("P" if prompt else "D")
-        applied(sched, frame)
+    assert sched.prompt_steps_per_decode == 1 and sched.prompt_batch == (1, 0), "the scheduler's defaults"
+    kinds = step_kinds(sched, 24, {0: [make(k, 5, max_tokens=30) for k in range(2)],
+                                   4: [make(k, 20, max_tokens=30) for k in range(2, 5)]})
     # Two short prompts, then three of 20 tokens (3 chunks each) from step 4: 11 prompt steps.
-    assert "".join(kinds) == "PD" * 11 + "DD"
+    assert kinds == "PD" * 11 + "DD"
+
+
+def test_a_burst_of_prompts_takes_several_prompt_steps_per_decode_step() -> None:
+    """Five prompts arrive while two requests decode: up to three prompt steps run between two
+    decode steps while more than one prompt waits; the last one, alone, alternates again."""
+    sched = Scheduler(BlockManager(256, 4), max_num_seqs=8, max_num_batched_tokens=64, prompt_tokens_apart=8,
+                      prompt_steps_per_decode=3)
+    kinds = step_kinds(sched, 16, {0: [make(k, 5, max_tokens=40) for k in range(2)],
+                                   4: [make(k, 6, max_tokens=40) for k in range(2, 7)]})
+    # Two prompts alternate with decode steps (one waits at a time); from step 4 five wait: three
+    # prompt steps, a decode step, the fourth (two waited), then the fifth, alone, after a decode.
+    assert kinds == "PDPD" + "PPPD" + "PD" + "PD" + "D" * 4, kinds
+
+
+def test_a_burst_of_prompts_shares_steps_of_several_prompts() -> None:
+    """With several-prompt steps of up to 3 rows and 16 tokens: the two first prompts share a
+    step, and five 6-token prompts that arrive at once take two (6 + 6 + a 4-token chunk, then
+    that chunk's 2 + 6 + 6), not five."""
+    sched = Scheduler(BlockManager(256, 4), max_num_seqs=8, max_num_batched_tokens=64, prompt_tokens_apart=8,
+                      prompt_steps_per_decode=3, prompt_batch=(3, 16))
+    kinds = step_kinds(sched, 10, {0: [make(k, 5, max_tokens=40) for k in range(2)],
+                                   4: [make(k, 6, max_tokens=40) for k in range(2, 7)]}, max_prompt_rows=3)
+    assert kinds == "2DDD" + "33" + "D" * 4, kinds
 
 
 def test_prompts_apart_preempt_rather_than_stall() -> None:

@@ -159,3 +159,18 @@ def test_engine_with_step_costs_that_say_drafting_loses_runs_k0_steps_and_keeps_
     stats = core.stats()["spec"]
     assert stats["num_governor_vetoes"] > 10 and stats["num_k0_steps"] > 10, stats
     assert core.governor is not None and core.governor.num_verified_rows > 0
+
+
+def test_with_step_costs_a_drafter_that_pays_on_average_is_not_switched_off_by_a_dry_run() -> None:
+    """Batch 1, one row a step: runs of 20 steps that find no draft (1 token) alternate with 20
+    that find them all (4 tokens), 2.5 a row on average for 1.3x a plain step. A per-step
+    moving average dips below the line in every dry run and waits for an exploration step."""
+    gov = SpecGovernor(explore_every=32)
+    gov.step_costs = {1: (1.0, 1.3)}
+    decisions = []
+    for step in range(640):
+        allowed = gov.allow(1)
+        decisions.append(allowed)
+        if allowed:
+            gov.record_rows(1, 1 if (step // 20) % 2 == 0 else 4)
+    assert gov.num_vetoed <= len(decisions) // 20, f"{gov.num_vetoed} of {len(decisions)} steps vetoed"

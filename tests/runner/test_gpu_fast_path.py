@@ -104,6 +104,35 @@ def test_prompts_arriving_while_others_decode_never_leave_the_graphs(model_path:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("spec", [{}, {"speculator": "mtp", "num_speculative_tokens": 3}])
+def test_a_burst_of_prompts_shares_graph_steps(model_path: Path, tokenizer, spec: dict) -> None:  # type: ignore[no-untyped-def]
+    """Twelve requests at once: their prompts share several-prompt graph steps (fewer prompt
+    steps than prompts), every step of the run replays a graph, and the output equals the
+    eager engine's."""
+    from tests.conftest import PROMPTS
+
+    ids = prompts(tokenizer, PROMPTS[:12])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    core = EngineCore(config(False, **spec))
+    assert core.scheduler.prompt_batch == (16, 2048)
+    steps: list[int] = []
+    schedule = core.scheduler.schedule
+
+    def spy():  # type: ignore[no-untyped-def]
+        frame = schedule()
+        if frame is not None:
+            steps.append(sum(r.num_tokens - r.num_drafts > 1 for r in frame.rows))
+        return frame
+
+    core.scheduler.schedule = spy  # type: ignore[method-assign]
+    out = run(core, ids, params)
+    stats = core.stats()
+    assert stats["num_graph_steps"] == stats["num_steps"], stats
+    assert max(steps) > 1 and sum(n > 0 for n in steps) < len(ids), steps
+    assert out == run(EngineCore(config(True, **spec)), ids, params)
+
+
+@pytest.mark.slow
 def test_speculative_requests_run_ahead_without_host_sync(model_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
     """ngram drafts inside the step: the next step of each request is launched while the
     current one runs, planned as if every draft is accepted, and no launch of a decode or

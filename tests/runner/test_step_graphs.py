@@ -67,9 +67,10 @@ class NoGraphPlatform:
         pass
 
 
-def runner(graphs: bool, prefill: tuple[int, ...] = (), fused: bool = False) -> ModelRunner:
+def runner(graphs: bool, prefill: tuple[int, ...] = (), fused: bool = False,
+           batches: tuple[tuple[int, int], ...] = ()) -> ModelRunner:
     """fused: the model's Triton kernels, so decode and verification steps (at most 16 tokens) run
-    on the small-batch kernels, padding tokens included."""
+    on the small-batch kernels, padding tokens included. batches: (rows, tokens) of several-prompt steps."""
     torch.manual_seed(0)
     model = LlamaModel(TINY, MAX_LEN + K + 2).eval().to(DEV).use_triton_ops(fused)
     attention = TritonPagedAttention(BLOCK, 64, DEV, max_rows=SLOTS + 1, max_blocks=MAX_LEN // BLOCK + 1)
@@ -77,7 +78,7 @@ def runner(graphs: bool, prefill: tuple[int, ...] = (), fused: bool = False) -> 
                     num_slots=SLOTS, max_model_len=MAX_LEN, num_speculative_tokens=K, max_num_tokens=64)
     if graphs:
         g = ReplayGraphs(r, NoGraphPlatform(), max_rows=SLOTS, verify_widths=(0, K),  # type: ignore[arg-type]
-                         prefill_tokens=prefill)
+                         prefill_tokens=prefill, prompt_batches=batches)
         g.capture()
         r.graphs = g
     return r
@@ -206,6 +207,36 @@ def test_replayed_prompt_steps_equal_eager_steps() -> None:
         "padding wrote no token a request reads"
 
 
+def test_replayed_steps_of_several_prompts_equal_eager_steps() -> None:
+    """Several prompts in one step pad to the next (rows, tokens) bucket: whole prompts, first
+    chunks that sample nothing, and later chunks that start past position 0, side by side; a
+    step with a row longer than the largest one-row bucket runs eagerly."""
+    eager, replayed = runner(False), runner(True, prefill=(8, 16), batches=((2, 24), (4, 40)))
+    rng = np.random.default_rng(6)
+    p = {s: rng.integers(0, TINY.vocab_size, n).tolist() for s, n in ((0, 5), (1, 16), (2, 11), (3, 21), (4, 3))}
+    frames = [
+        StepFrame(0, [ScheduledRow(0, 0, 0, 0, p[0], blocks(0), sampling(0, 0)),  # 21 tokens, 2 rows: (2, 24)
+                      ScheduledRow(1, 0, 1, 0, p[1], blocks(1), sampling(1, 0))]),
+        StepFrame(1, [ScheduledRow(2, 0, 2, 0, p[2][:6], blocks(2), None),  # 25 tokens, 3 rows: (4, 40)
+                      ScheduledRow(3, 0, 3, 0, p[3][:16], blocks(3), None),
+                      ScheduledRow(4, 0, 4, 0, p[4], blocks(4), sampling(4, 0))]),
+        StepFrame(2, [ScheduledRow(2, 0, 2, 6, p[2][6:], blocks(2), sampling(2, 0)),  # 10 tokens, 2 rows
+                      ScheduledRow(3, 0, 3, 16, p[3][16:], blocks(3), sampling(3, 0))]),
+        StepFrame(3, [ScheduledRow(0, 0, 0, 5, [], blocks(0), sampling(0, 1), num_placeholder_inputs=1),
+                      ScheduledRow(1, 0, 1, 16, [], blocks(1), sampling(1, 1), num_placeholder_inputs=1)]),
+    ]
+    outs = {name: [r.execute(f) for f in frames] for name, r in (("eager", eager), ("replayed", replayed))}
+    assert outs["eager"] == outs["replayed"]
+    assert [len(row.sampled) for res in outs["replayed"] for row in res.rows] == [1, 1, 0, 0, 1, 1, 1, 1, 1]
+    assert replayed.graphs is not None and replayed.graphs.num_replays == 4, "every step replayed"
+    same_kv(eager, replayed)
+    assert torch.equal(eager.pool.tokens[:SLOTS, :-1], replayed.pool.tokens[:SLOTS, :-1]), \
+        "padding wrote no token a request reads"
+    eager_only = runner(True, prefill=(8,), batches=((2, 24),))  # a 16-token row is past the one-row bucket
+    eager_only.execute(frames[0])
+    assert eager_only.graphs is not None and eager_only.graphs.num_replays == 0
+
+
 def graphs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU platform as a graph platform: Triton kernels (interpreted) and replayed doubles.
     Greedy graphs only: padding rows of a sampling graph race over garbage, which the
@@ -221,6 +252,7 @@ def graphs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(StepGraphs, "_record", ReplayGraphs._record)
     monkeypatch.setattr("speckernel.runner.step_graphs.SAMPLING_KINDS", ((True, False),))
     monkeypatch.setattr("speckernel.runner.step_graphs.PREFILL_BUCKETS", (32,))  # the prompts fit; interpreting is slow
+    monkeypatch.setattr("speckernel.runner.step_graphs.PROMPT_BATCH_BUCKETS", ((4, 64),))
 
 
 @pytest.mark.parametrize("spec", [{}, {"speculator": "ngram", "num_speculative_tokens": 3}])

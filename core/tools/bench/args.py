@@ -42,6 +42,10 @@ def engine_flags(p: argparse.ArgumentParser, *, model: str | None = "smollm2-135
     p.add_argument("--enforce-eager", action="store_true", help="never replay captured device graphs")
     p.add_argument("--no-prompts-apart", action="store_true",
                    help="let prompts share decode steps (which then run eagerly)")
+    p.add_argument("--prompt-steps-per-decode", type=int, default=4, metavar="N",
+                   help="prompt steps between two decode steps while several prompts wait (default: 4)")
+    p.add_argument("--no-prompt-batches", action="store_true",
+                   help="no several-prompt steps: a burst of prompts takes one step each")
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant kernels (speculative greedy output equals plain greedy output)")
     p.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="requests decoded at once")

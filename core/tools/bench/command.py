@@ -44,6 +44,8 @@ def base_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, platform=args.platform, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len or None, enforce_eager=args.enforce_eager,
                         prompts_apart=not getattr(args, "no_prompts_apart", False),
+                        prompt_steps_per_decode=getattr(args, "prompt_steps_per_decode", 4),
+                        prompt_batches=not getattr(args, "no_prompt_batches", False),
                         batch_invariant=getattr(args, "batch_invariant", False),
                         in_process=not getattr(args, "process", False))
 
