@@ -14,8 +14,8 @@
 #   `bench accept` on all 164 HumanEval prompts, 256 tokens, temperature 0, every method with its
 #   K next to no speculation.
 # PHASE=decode: the same checkpoints; `bench decode` at batch 1 with the HF transformers peers.
-# PHASE=chat: the general-chat corpus (speckernel.tools.train.chat): $CHAT_COUNT requests (default
-#   8000), about a quarter from the project's task frames and the rest written by the target itself
+# PHASE=chat: the general-chat corpus (speckernel.tools.train.chat): the committed requests
+#   (chat-prompts.jsonl.gz beside this script), or with $CHAT_COUNT that many written anew, about a quarter from the project's task frames and the rest written by the target itself
 #   at its chat template's user turn (temperature 1), none like a held-out general-chat request;
 #   then the target's answers to them, greedy and one sampled per temperature of $CHAT_SAMPLED
 #   (default "0.8 1.0"), $SHARDS_PER_GPU engines per GPU. PHASE=train trains on them beside the rest.
@@ -58,6 +58,8 @@ answer() {  # answer NAME TEMPERATURE SEED PROMPT-ARGS...: the target's answers,
 
 if [ "$phase" = chat ]; then
   chat=$work/chat-prompts.jsonl.gz
+  # The committed requests (chat-prompts.jsonl.gz beside this script) unless CHAT_COUNT asks anew.
+  [ -f "$chat" ] || [ -n "${CHAT_COUNT:-}" ] || [ ! -f "$here/chat-prompts.jsonl.gz" ] || cp "$here/chat-prompts.jsonl.gz" "$chat"
   if [ ! -f "$chat" ]; then
     CUDA_VISIBLE_DEVICES=0 timeout 1800 python3 -m speckernel.tools.train.chat --out "$chat.tmp.gz" \
       --count "${CHAT_COUNT:-8000}" --platform cuda > "$work/chat-prompts.log" 2>&1 && mv "$chat.tmp.gz" "$chat"
