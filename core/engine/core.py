@@ -54,6 +54,7 @@ from ..wire.messages import (
 )
 from .check import Checked, check, check_pipeline
 from .data_parallel import DataParallelGroup
+from .heap import frozen_while_serving
 from .speculation import Speculation, build_speculator, check_speculator
 from .stages import Pipeline
 
@@ -484,6 +485,10 @@ class EngineCore:
         in order by one runner thread), then waits for the oldest frame and applies its result.
         At depth 2 frame N+1 is scheduled and launched while frame N runs; results are applied
         in step order all the same. With nothing to run, the loop sleeps until a message comes."""
+        with frozen_while_serving():
+            await self._serve(emit)
+
+    async def _serve(self, emit: Callable[[CoreMessage], Awaitable[None]]) -> None:
         self.wakeup = anyio.Event()
         if self.dp is not None:
             try:
