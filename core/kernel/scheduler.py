@@ -118,7 +118,8 @@ class Scheduler:
 
     def _prompt_rows(self) -> list[ScheduledRow]:
         """One request's next prompt chunk: the first running request still in its prompt (its
-        frame in flight applied), else the first waiting one that gets a slot and blocks."""
+        frame in flight applied), else the first waiting one that gets a slot and blocks. While
+        several prompts wait and several-prompt steps exist, as many chunks as one holds."""
         budget = min(self.max_num_batched_tokens, self.prompt_tokens_apart)
         if self.prompt_batch[0] > 1 and self._num_prompts_waiting() > 1 and (rows := self._several_prompts(budget)):
             return rows
