@@ -100,28 +100,20 @@ class Scheduler:
         if not self.prompt_tokens_apart:
             return self._frame(self._rows(self.max_num_batched_tokens, prompts=True))
         # Prompt and decode steps take turns; either kind goes on alone while the other has no work.
-        prompt_first = self.prompt_streak < self._prompt_turns()
+        several = len(self.waiting) + sum(1 for r in self.running if self.in_prompt(r)) > 1  # prompts waiting
+        prompt_first = self.prompt_streak < (self.prompt_steps_per_decode if several else 1)
         for prompt in (prompt_first, not prompt_first):
-            if rows := self._prompt_rows() if prompt else self._rows(self.max_num_batched_tokens, prompts=False):
+            if rows := self._prompt_rows(several) if prompt else self._rows(self.max_num_batched_tokens, prompts=False):
                 self.prompt_streak = self.prompt_streak + 1 if prompt else 0
                 return self._frame(rows)
         return None
 
-    def _num_prompts_waiting(self) -> int:
-        return len(self.waiting) + sum(1 for r in self.running if self.in_prompt(r))
-
-    def _prompt_turns(self) -> int:
-        """Prompt steps in a row before decode rows get a step: one while a single prompt waits."""
-        if self.prompt_steps_per_decode == 1:
-            return 1
-        return self.prompt_steps_per_decode if self._num_prompts_waiting() > 1 else 1
-
-    def _prompt_rows(self) -> list[ScheduledRow]:
+    def _prompt_rows(self, several: bool) -> list[ScheduledRow]:
         """One request's next prompt chunk: the first running request still in its prompt (its
         frame in flight applied), else the first waiting one that gets a slot and blocks. While
-        several prompts wait and several-prompt steps exist, as many chunks as one holds."""
+        several prompts wait (several) and several-prompt steps exist, as many chunks as one holds."""
         budget = min(self.max_num_batched_tokens, self.prompt_tokens_apart)
-        if self.prompt_batch[0] > 1 and self._num_prompts_waiting() > 1 and (rows := self._several_prompts(budget)):
+        if several and self.prompt_batch[0] > 1 and (rows := self._several_prompts(budget)):
             return rows
         req = next((r for r in self.running if self.in_prompt(r) and not r.in_flight), None)
         if req is None:
