@@ -244,7 +244,7 @@ class BlockSpeculator(LearnedSpeculator[BlockOptionsT]):
         layers = tuple(sorted({min(max(layer, 0), n - 1) for layer in (1, n // 2 - 1, n - 4)}))
         return DrafterConfig(method=cls.name, target=TargetShape.of(target), hidden_size=target.hidden_size,
                              intermediate_size=1024, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
-                             head_dim=target.head_dim, num_layers=2, target_layers=layers, block_size=8)
+                             head_dim=target.head_dim, num_layers=4, target_layers=layers, block_size=8)
 
     @classmethod
     def check(cls, ctx: SpeculatorContext) -> None:

@@ -45,11 +45,11 @@ WEIGHTS = Path(__file__).parent / "weights"
 """Shipped checkpoints, one folder per method."""
 
 SHIPPED_SHA256 = {
-    "causal_cascade": "5dc4c9c52c65160a0bbae4b9f6339d7fe6c9cf638ec7aebca00796b7116c422f",
-    "dflash": "2a85c7296e397e08827d723c566dc004357b762f3d7479d047eff3f82365f47c",
-    "dspark": "59959014be2132564c3874809352be355d4935ae6cc7d7d0a4d546f8831246f2",
-    "eagle3": "8c309978801166c04237a2145432ac6803d0524326711da6acfbf801531dd96f",
-    "mtp": "3d43f67001ec115bb7f935792651881c70af576b51490082c565ea17a32b628e",
+    "causal_cascade": "c91416ecc9f3a9a59f32d0538cda326712d0fdd2a0e8d61a42c5d581602b3749",
+    "dflash": "b250a759eaa23ff084c168c92ba4c8c4ded8e1bcddb7ff1baeaa10123c6ecf62",
+    "dspark": "0552985d4d320252b1bef467d4f642d8168003a8c765da4fd669577987f64093",
+    "eagle3": "20f992bc7135dc38193d758ea6ead4a8248d1e73b039b404f043b16487b69655",
+    "mtp": "9e1fc9a74fed95b2241427da9627b420ad7476952b507893c97f4efea9f41ba7",
 }
 """sha256 of each shipped `weights/<method>/model.safetensors` (a retrained one updates its line)."""
 
@@ -120,12 +120,15 @@ def save(folder: Path, cfg: DrafterConfig, module: nn.Module) -> None:
 
 def checkpoint(method: str, ctx: SpeculatorContext) -> tuple[Path, DrafterConfig]:
     """The drafter's folder (`--draft-model`, else the shipped one) and its config, checked
-    against the target."""
+    against the target. `--draft-model` names a checkpoint, or a folder of them by method (what
+    `train-drafter` writes for several methods), so one flag serves a whole set of drafters."""
     folder = Path(ctx.draft_model).expanduser() if ctx.draft_model else WEIGHTS / method
+    if ctx.draft_model and not (folder / "config.json").is_file() and (folder / method / "config.json").is_file():
+        folder = folder / method
     if not (folder / "config.json").is_file():
         if ctx.draft_model:
-            raise InvalidInputError(f"{method}: {folder} holds no config.json; pass a folder written by "
-                                    "`speckernel train-drafter`")
+            raise InvalidInputError(f"{method}: {folder} holds no config.json, nor a {method}/ folder with one; "
+                                    "pass a folder written by `speckernel train-drafter`")
         raise InvalidInputError(f"{method}: no shipped drafter; train one with `speckernel train-drafter "
                                 f"--method {method}` and pass its folder with --draft-model")
     return folder, read_checked(folder, method, ctx.target, "this" if ctx.draft_model else "the shipped")

@@ -10,9 +10,9 @@
 #   2. every method of $METHODS trains at once for what is left of $BUDGET_S seconds, or $MINUTES
 #      minutes if given: one process per GPU trains its share of the methods on the same batches
 #      (one target forward per batch). Running it again continues each method from its state.pt.
-# PHASE=accept: the trained checkpoints become the shipped ones (loaded by name), then
-#   `bench accept` on all 164 HumanEval prompts, 256 tokens, temperature 0, every method with its
-#   K next to no speculation.
+# PHASE=accept: the trained checkpoints ($WORK/METHOD, or the shipped ones with SHIPPED=1):
+#   `bench accept` on all 164 HumanEval prompts (DATASET=chat: the 64 held-out chat requests),
+#   256 tokens, temperature 0, every method with its K next to no speculation.
 # PHASE=decode: the same checkpoints; `bench decode` at batch 1 with the HF transformers peers.
 # PHASE=chat: the general-chat corpus (speckernel.tools.train.chat): the committed requests
 #   (chat-prompts.jsonl.gz beside this script), or with $CHAT_COUNT that many written anew, about a quarter from the project's task frames and the rest written by the target itself
@@ -112,21 +112,24 @@ if [ "$phase" = train ] || [ "$phase" = data ]; then
   exit 0
 fi
 
-for m in $methods; do
-  if [ -f "$work/$m/model.safetensors" ]; then
-    mkdir -p "$weights/$m" && cp "$work/$m/config.json" "$work/$m/model.safetensors" "$weights/$m/"
-  fi
-done
+# The trained checkpoints are served from $work (--draft-model: a folder of them by method), or the
+# shipped ones with SHIPPED=1.
+drafters=()
+[ -z "${SHIPPED:-}" ] && drafters=(--draft-model "$work")
 specs=()
-for spec in ${SPECS:-eagle3:5 mtp:3 dflash:7 dspark:7 causal_cascade:7 ngram:4 draft_model:4:num_layers=8}; do
+for spec in ${SPECS:-eagle3:5 mtp:3 dflash:7 dspark:7 causal_cascade:7 ngram:4}; do  # draft_model reads --draft-model too
   specs+=(--speculator "$spec")
 done
 if [ "$phase" = accept ]; then
-  # Acceptance on all 164 prompts, all in flight at once (acceptance does not depend on the batch).
+  # Acceptance on all 164 HumanEval prompts, or the 64 held-out chat requests with DATASET=chat, all
+  # in flight at once (acceptance does not depend on the batch), drafting at every step.
+  dataset=${DATASET:-humaneval}
   timeout "${BENCH_TIMEOUT:-400}" python3 -m speckernel.tools.cli bench accept --platform cuda --dtype bfloat16 \
-    --max-tokens 256 "${specs[@]}" --out "$out/accept" 2>&1 | tail -n 14
+    --max-tokens 256 --no-adaptive-speculation --dataset "$dataset" "${drafters[@]}" "${specs[@]}" \
+    --out "$out/accept-$dataset" 2>&1 | tail -n 14
 else
-  # Tokens/s at batch 1 on 10 prompts, every method next to no speculation and the HF peers.
+  # Tokens/s at batch 1 on 10 HumanEval prompts, every method next to no speculation and the HF peers.
   timeout "${BENCH_TIMEOUT:-520}" python3 -m speckernel.tools.cli bench decode --platform cuda --dtype bfloat16 \
-    --max-tokens 256 --num-prompts 10 --concurrency 1 "${specs[@]}" --out "$out/decode" 2>&1 | tail -n 16
+    --max-tokens 256 --num-prompts 10 --concurrency 1 "${drafters[@]}" "${specs[@]}" --out "$out/decode" 2>&1 \
+    | tail -n 16
 fi

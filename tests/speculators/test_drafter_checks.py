@@ -60,6 +60,8 @@ def test_every_shipped_checkpoint_has_its_pinned_digest_and_passes_the_checks() 
     for method, digest in SHIPPED_SHA256.items():
         assert sha256_of(WEIGHTS / method / "model.safetensors") == digest, method
         assert read_config(WEIGHTS / method).sha256 == digest, method
+    # The shipped-weight budget: 100 MB for all five together.
+    assert sum((WEIGHTS / m / "model.safetensors").stat().st_size for m in SHIPPED_SHA256) <= 100_000_000
 
 
 def test_a_full_check_writes_a_stamp_that_later_loads_trust(eagle3_module, tmp_path,  # type: ignore[no-untyped-def]

@@ -262,6 +262,34 @@ def test_training_can_start_from_a_checkpoint(data, tmp_path) -> None:  # type: 
         train(build_parser().parse_args([*train_args("mtp", data, tmp_path / "mtp", 1), "--init", str(first)]))
 
 
+def test_a_grown_drafter_starts_as_its_checkpoint(data, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--init with --set METHOD.num_layers=N larger than the checkpoint's: the checkpoint's layers
+    load and the added ones start as identities, so at lr 0 the grown drafter measures exactly the
+    held-out loss of the one it grew from; only the named method grows."""
+    from safetensors.torch import load_file
+
+    first, grown = tmp_path / "first", tmp_path / "grown"
+    extra = ["--holdout", "0.3", "--eval-batches", "2"]
+    train(build_parser().parse_args([*train_args("dflash", data, first, 20), *extra, "--set", "num_layers=2"]))
+    # The checkpoint as saved (bf16), measured as it is: what the grown one must match.
+    before = train(build_parser().parse_args([*train_args("dflash", data, tmp_path / "same", 1), *extra,
+                                              "--init", str(first), "--lr", "0"]))
+    after = train(build_parser().parse_args([*train_args("dflash", data, grown, 1), *extra, "--init", str(first),
+                                             "--lr", "0", "--set", "dflash.num_layers=3", "--set", "mtp.num_layers=5"]))
+    assert before["config"]["num_layers"] == 2 and after["config"]["num_layers"] == 3
+    assert after["final"]["val_loss"] == pytest.approx(before["final"]["val_loss"], rel=1e-6)
+    want, got = (load_file(str(d / "model.safetensors")) for d in (first, grown))
+    assert all((want[k] == got[k]).all() for k in want)
+    assert not got["layers.2.self_attn.o_proj.weight"].any() and got["layers.2.self_attn.q_proj.weight"].any()
+    with pytest.raises(InvalidInputError, match="cannot add decoder layers"):  # eagle3 has one mid layer
+        eagle = tmp_path / "eagle3"
+        train(build_parser().parse_args(train_args("eagle3", data, eagle, 1)))
+        train(build_parser().parse_args([*train_args("eagle3", data, tmp_path / "e2", 1), "--init", str(eagle),
+                                         "--set", "num_layers=2"]))
+    with pytest.raises(InvalidInputError, match="'medusa' is not a trainable method"):
+        train(build_parser().parse_args([*train_args("dflash", data, tmp_path / "x", 1), "--set", "medusa.rank=2"]))
+
+
 def test_a_checkpoint_for_another_target_is_refused(data, tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "eagle3"
     train(build_parser().parse_args(train_args("eagle3", data, out, 1)))
@@ -270,8 +298,11 @@ def test_a_checkpoint_for_another_target_is_refused(data, tmp_path) -> None:  # 
                                 max_model_len=256, speculator="eagle3", draft_model=str(out)))
     with pytest.raises(InvalidInputError, match="holds a eagle3 drafter"):
         core_for("mtp", draft_model=str(out))
-    with pytest.raises(InvalidInputError, match="no config\\.json"):
+    with pytest.raises(InvalidInputError, match="no config\\.json, nor a mtp/ folder"):
         core_for("mtp", draft_model=str(tmp_path))
+    # A folder of checkpoints by method (train-drafter's --out for several): each finds its own.
+    core = core_for("eagle3", draft_model=str(tmp_path))
+    assert core.speculator.cfg.sha256 == json.loads((out / "config.json").read_text())["sha256"]
 
 
 def test_train_drafter_methods_are_the_speculators_declared_trainable() -> None:

@@ -100,5 +100,6 @@ def add_arguments(sub: Any) -> None:
                         "its architecture replaces the defaults (with several methods: a folder holding one "
                         "checkpoint folder per method)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a field of the drafter's default architecture (e.g. num_layers=1); with "
-                        "several --method, it applies to every one of them")
+                   help="override a field of the drafter's architecture (e.g. num_layers=1); with several "
+                        "--method, it applies to every one of them, and METHOD.FIELD=VALUE to one. With --init, "
+                        "a larger num_layers grows the checkpoint: the added layers start as identities")

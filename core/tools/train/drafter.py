@@ -40,7 +40,7 @@ from ...errors import InvalidInputError
 from ...model_config import ModelConfig
 from ...models.checkpoint import read_config, resolve
 from ...models.loader import load_model
-from ...plugin import FitsVocabulary
+from ...plugin import FitsVocabulary, TrainableDrafter
 from .args import trainable
 from .corpus import build_corpus, read_corpus
 from .data import Sequences, TargetFeatures, batches, generate, label_counts
@@ -49,12 +49,20 @@ from .meter import Meter
 from .step import Figures, MethodRun, read_figures, syncs_fail, train_step
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
+def parse_overrides(items: list[str], method: str | None = None) -> dict[str, Any]:
+    """--set's fields for `method`: FIELD=VALUE for every method, METHOD.FIELD=VALUE for one."""
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
-            raise InvalidInputError(f"--set: expected FIELD=VALUE, got {item!r}")
+            raise InvalidInputError(f"--set: expected FIELD=VALUE or METHOD.FIELD=VALUE, got {item!r}")
         key, value = item.split("=", 1)
+        if "." in key:
+            only, key = key.split(".", 1)
+            if only not in trainable():
+                raise InvalidInputError(f"--set {item!r}: {only!r} is not a trainable method "
+                                        f"({', '.join(trainable())})")
+            if only != method:
+                continue
         out[key] = json.loads(value) if value[:1] in "[{0123456789-.tf" else value
         if isinstance(out[key], list):
             out[key] = tuple(out[key])
@@ -150,14 +158,20 @@ def start_method(args: argparse.Namespace, method: str, out: Path, init: Path | 
                  data: Sequences, device: torch.device) -> MethodRun:
     """A method's drafter: new (seeded), from --init, or resumed from its folder's state.pt."""
     cls = trainable()[method]
-    overrides = parse_overrides(args.set)
+    overrides = parse_overrides(args.set, method)
+    saved: dict[str, Any] = {}
     if init is not None:
         saved = msgspec.structs.asdict(cls.read_checkpoint(init, target_cfg))
         overrides = {**{k: v for k, v in saved.items() if k not in ("method", "target")}, **overrides}
     torch.manual_seed(args.seed)  # the same drafter whether it trains alone or beside others
     drafter = cls.new_drafter(target_cfg, args.seq_len + 32, **overrides).to(device)
     if init is not None:
-        drafter.load_state_dict(load_file(str(init / "model.safetensors"), device=str(device)))
+        state = load_file(str(init / "model.safetensors"), device=str(device))
+        layers = saved.get("num_layers", 0)
+        if overrides.get("num_layers", layers) > layers:
+            grow(drafter, state, layers, init)
+        else:
+            drafter.load_state_dict(state)
     elif isinstance(drafter, FitsVocabulary):
         drafter.fit_vocab(label_counts(data, target_cfg.vocab_size))
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -171,6 +185,27 @@ def start_method(args: argparse.Namespace, method: str, out: Path, init: Path | 
         run.step, run.log = state["step"], state["log"]
         print(f"train-drafter: resuming {method} at step {run.step}", file=sys.stderr)
     return run
+
+
+GROWN_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+"""The projections that write into the residual stream: zero in a grown layer."""
+
+
+def grow(drafter: TrainableDrafter, state: dict[str, torch.Tensor], layers: int, init: Path) -> None:
+    """Loads a checkpoint of `layers` decoder layers into a deeper drafter (`--set num_layers=N`
+    with --init). The added layers start as identities, their residual outputs zero, so the
+    grown drafter drafts exactly what the checkpoint did and training only has to find what the
+    extra depth adds."""
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    added = [k for k in missing if k.startswith("layers.") and int(k.split(".")[1]) >= layers]
+    if unexpected or len(added) != len(missing) or not any(k.endswith(GROWN_OUTPUTS) for k in added):
+        raise InvalidInputError(f"--init {init}: cannot add decoder layers to this drafter (weights missing "
+                                f"from the checkpoint: {sorted(set(missing) - set(added))[:4]}, unexpected: "
+                                f"{sorted(unexpected)[:4]}); leave num_layers as the checkpoint has it")
+    tensors = drafter.state_dict()  # the parameters' own storage
+    for name in added:
+        if name.endswith(GROWN_OUTPUTS):
+            tensors[name].zero_()
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
