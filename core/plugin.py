@@ -153,7 +153,8 @@ class TargetModel:
     embed: torch.nn.Module | None
     norm: torch.nn.Module | None
     head: Callable[[torch.Tensor], torch.Tensor] | None
-    """hidden [N, H] -> float32 logits [N, V]."""
+    """hidden [N, H] -> float32 logits [N, V]: linear and without a bias, so a speculator may
+    apply it to the terms of a sum one by one (dspark does)."""
     kv_cache: torch.Tensor | None
     """[layers, 2, slots, kv_heads, head_dim]; slot = block_id * block_size + offset."""
 

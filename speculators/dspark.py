@@ -40,6 +40,7 @@ class DSparkDrafter(DFlashDrafter):
         self.markov_up = nn.Linear(cfg.rank, h, bias=False)
         nn.init.zeros_(self.markov_up.weight)  # starts as plain DFlash; the low-rank term grows in training
         self.confidence = nn.Linear(h, 1)
+        self.lifted: torch.Tensor | None = None
 
     def markov(self, hidden: torch.Tensor, prev: torch.Tensor, target: TargetModel) -> torch.Tensor:
         """hidden [..., H] plus the low-rank term of the previous tokens prev [...]."""
@@ -50,15 +51,33 @@ class DSparkDrafter(DFlashDrafter):
     def draft(self, hidden: torch.Tensor, anchor: torch.Tensor, target: TargetModel
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Left to right, each position conditioned on the previous draft; the score is the
-        confidence that each draft is accepted."""
-        assert target.head is not None
-        prev, drafts, conf = anchor, [], []
-        for j in range(hidden.shape[1]):
-            h = self.markov(hidden[:, j], prev, target)
-            prev = target.head(h).argmax(dim=-1)
+        confidence that each draft is accepted.
+
+        The target's head is linear (its contract), so head(h + up(d)) = head(h) + d @ head(up):
+        every position's head(h) is one call, as in DFlash, and each step left to right adds a
+        rank-sized product with the Markov directions' logits (`lift`) instead of another pass
+        over the whole head (49,152 x 576 for the default target)."""
+        assert target.head is not None and target.embed is not None
+        lift = self.lift(target)
+        r, k, h = hidden.shape
+        base = target.head(hidden.reshape(r * k, h)).view(r, k, -1)
+        prev, drafts, downs = anchor, [], []
+        for j in range(k):
+            d = self.markov_down(target.embed(prev).to(hidden.dtype))
+            prev = torch.addmm(base[:, j], d.float(), lift).argmax(dim=-1)
             drafts.append(prev)
-            conf.append(torch.sigmoid(self.confidence(h).float()[:, 0]))
-        return torch.stack(drafts, dim=1), torch.stack(conf, dim=1)
+            downs.append(d)
+        conf = torch.sigmoid(self.confidence(hidden + self.markov_up(torch.stack(downs, dim=1))).float()[..., 0])
+        return torch.stack(drafts, dim=1), conf
+
+    def lift(self, target: TargetModel) -> torch.Tensor:
+        """[rank, V] float32: the target's logits of the Markov head's directions. Made at the
+        first draft, which runs eagerly before any graph is captured, and kept while serving
+        (its weights never change); made anew at every draft in training mode."""
+        if self.lifted is None or self.training:
+            assert target.head is not None
+            self.lifted = target.head(self.markov_up.weight.t().contiguous()).float()
+        return self.lifted
 
     def head_loss(self, blocks: TrainBlocks, target: TargetModel) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         h = self.markov(blocks.hidden, blocks.prev, target)

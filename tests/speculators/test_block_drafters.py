@@ -202,6 +202,31 @@ def test_options_trim_to_a_minus_one_suffix_without_host_syncs(cls, cut, none_cu
         assert row == (trimmed if trimmed is not None else [want[0], -1, -1])
 
 
+def test_dspark_drafts_through_the_lifted_head_what_the_whole_head_drafts(tmp_path: Path) -> None:
+    """dspark adds the Markov term's logits (its directions through the head, made once) to each
+    position's head output: the drafts and confidences of one pass over the whole head per
+    position, with a Markov term large enough to change the drafts."""
+    spec = tiny_speculator(DSparkSpeculator, tmp_path / "ckpt", DSparkOptions(threshold=0.0))
+    module, target = spec.module, tiny_target()
+    assert target.head is not None
+    torch.manual_seed(4)
+    with torch.no_grad():
+        module.markov_up.weight.normal_(0, 0.5)
+    hidden, anchor = torch.randn(5, 7, TINY.hidden_size), torch.randint(0, TINY.vocab_size, (5,))
+    for _ in range(2):  # the second draft uses the kept lift
+        drafts, conf = module.draft(hidden, anchor, target)
+        prev, want, want_conf = anchor, [], []
+        for j in range(7):
+            h = module.markov(hidden[:, j], prev, target)
+            prev = target.head(h).argmax(dim=-1)
+            want.append(prev)
+            want_conf.append(torch.sigmoid(module.confidence(h).float()[:, 0]))
+        assert torch.equal(drafts, torch.stack(want, dim=1))
+        torch.testing.assert_close(conf, torch.stack(want_conf, dim=1))
+    no_markov = target.head(hidden.reshape(35, -1)).view(5, 7, -1).argmax(dim=-1)
+    assert not torch.equal(drafts[:, 1:], no_markov[:, 1:]), "the Markov term changed no draft"
+
+
 def synthetic_batch(target: TargetModel, layers: tuple[int, ...]) -> TrainBatch:
     """Sequences where each token determines the next (t -> 3t + 1 mod V): every block position
     is predictable from its anchor. Random hidden states, masked first positions."""
