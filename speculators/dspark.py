@@ -3,10 +3,11 @@
 DFlash drafts every block position independently given the context; a block position cannot
 see which token was drafted before it. The Markov head adds that back cheaply: position j's
 hidden gets markov_up(markov_down(embed(prev_j))) before the target's head, where prev_j is the
-previous draft (the anchor for j = 1), so drafting is K small head calls left to right. The
-confidence head estimates from the same feature whether draft j is accepted; a row's drafts
-end where the running product of confidences (the chance all of them so far are accepted)
-falls below `threshold`, so verification spends no slots on drafts likely rejected.
+previous draft (the anchor for j = 1), so drafting runs left to right: one call of the head for
+all positions, then K rank-sized steps (`DSparkDrafter.draft`). The confidence head estimates
+from the same feature whether draft j is accepted; a row's drafts end where the running
+product of confidences (the chance all of them so far are accepted) falls below `threshold`, so
+verification spends no slots on drafts likely rejected.
 
 Training is teacher-forced: prev_j is the true previous label (an accepted draft equals it),
 and the confidence learns (argmax == label) by BCE on detached features, so it never bends the
