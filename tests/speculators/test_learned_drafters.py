@@ -281,9 +281,9 @@ def test_a_grown_drafter_starts_as_its_checkpoint(data, tmp_path) -> None:  # ty
     want, got = (load_file(str(d / "model.safetensors")) for d in (first, grown))
     assert all((want[k] == got[k]).all() for k in want)
     assert not got["layers.2.self_attn.o_proj.weight"].any() and got["layers.2.self_attn.q_proj.weight"].any()
+    eagle = tmp_path / "eagle3"
+    train(build_parser().parse_args(train_args("eagle3", data, eagle, 1)))
     with pytest.raises(InvalidInputError, match="cannot add decoder layers"):  # eagle3 has one mid layer
-        eagle = tmp_path / "eagle3"
-        train(build_parser().parse_args(train_args("eagle3", data, eagle, 1)))
         train(build_parser().parse_args([*train_args("eagle3", data, tmp_path / "e2", 1), "--init", str(eagle),
                                          "--set", "num_layers=2"]))
     with pytest.raises(InvalidInputError, match="'medusa' is not a trainable method"):
