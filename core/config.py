@@ -16,7 +16,7 @@ CONTEXT_CAP = 4096
 """Where `max_model_len=None` caps a model's context: the one definition the engine and the CLI
 read (a longer context is there for the asking)."""
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
-"""The names `platform.DTYPES` maps to torch dtypes, here so a bad dtype fails without torch."""
+"""The names `platform.DTYPES` maps to torch dtypes, here so a bad dtype fails before the platform loads."""
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):

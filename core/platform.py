@@ -9,13 +9,15 @@ that need them: every platform imports (and its tests run) without its SDK.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
-import torch
 
 from .attention import AttentionBackend
 from .errors import InvalidInputError, SpeckernelError
+
+if TYPE_CHECKING:  # annotations only: a platform's class loads without torch (the frontend checks it)
+    import torch
 
 
 class PlatformCapabilities(msgspec.Struct, frozen=True, kw_only=True):
@@ -133,12 +135,16 @@ class Platform(Protocol):
         ...
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # fmt: skip
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+          "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # fmt: skip
+"""A dtype name → the torch dtype's attribute name (names only: the contract imports without torch)."""
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    import torch  # here, not at the top: a platform's class loads without torch (the frontend checks it)
+
     try:
-        return DTYPES[name]
+        dtype: torch.dtype = getattr(torch, DTYPES[name])
     except KeyError:
         raise InvalidInputError(f"unknown dtype {name!r}; available: {', '.join(DTYPES)}") from None
+    return dtype

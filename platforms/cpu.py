@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import os
 from contextlib import AbstractContextManager
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
-
-from speckernel.ops.paged_attention import PagedAttention, TorchPagedAttention, TritonPagedAttention
 from speckernel.platform import (
     GATE_TIMEOUT_S,
     DeviceGraph,
@@ -17,6 +14,11 @@ from speckernel.platform import (
     parse_dtype,
 )
 from speckernel.platforms.gate import HostWaitGate
+
+if TYPE_CHECKING:  # torch loads where the platform is used, not where it is checked (the frontend)
+    import torch
+
+    from speckernel.ops.paged_attention import PagedAttention
 
 
 class CpuPlatform:
@@ -32,6 +34,8 @@ class CpuPlatform:
 
     @property
     def device(self) -> torch.device:
+        import torch  # here, not at the top: the frontend loads this class to check it, without torch
+
         return torch.device("cpu")
 
     def default_dtype(self) -> torch.dtype:
@@ -55,6 +59,8 @@ class CpuPlatform:
 
     def attention_backend(self, block_size: int, max_tokens: int, max_rows: int = 1,
                           max_blocks: int = 0, batch_invariant: bool = False) -> PagedAttention:
+        from speckernel.ops.paged_attention import TorchPagedAttention, TritonPagedAttention  # torch: see device
+
         cls = TritonPagedAttention if self.capabilities.triton else TorchPagedAttention
         return cls(block_size, max_tokens, self.device, pin_host=False, max_rows=max_rows, max_blocks=max_blocks,
                    batch_invariant=batch_invariant)

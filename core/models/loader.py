@@ -84,7 +84,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_len: in
 @torch.no_grad()
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int) -> LlamaModel:
     """Matrices ~ N(0, INIT_STD), norm weights 1, biases 0, allocated on `device` directly."""
-    with torch.device("meta"):
+    with torch.device("meta"), skip_init():  # the modules' own init on meta tensors imports torch._dynamo
         model = LlamaModel(cfg, max_len)
     model = model.to(dtype=dtype).to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(SEED)

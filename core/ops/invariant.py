@@ -24,7 +24,6 @@ import os
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 from . import fused_ops
 
@@ -96,12 +95,14 @@ def matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def matmul_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight.T (+ bias), one M=1 call per row: every call has the same shape, and each
-    row is copied to its own (aligned) buffer, so nothing about the batch reaches the BLAS."""
+    """x [M, K] @ weight.T (+ bias), one matrix-vector product per row: every call has the same
+    shape, and each row is copied to its own (aligned) buffer, so nothing about the batch reaches
+    the BLAS. (A gemv, not an M=1 gemm: the same per-row contract at half the time in bf16.)"""
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.promote_types(x.dtype, weight.dtype),
                       device=x.device)
     for i in range(x.shape[0]):
-        out[i] = F.linear(x[i : i + 1].clone(), weight, bias)[0]
+        row = torch.mv(weight, x[i].clone())
+        out[i] = row if bias is None else row + bias
     return out
 
 

@@ -10,9 +10,11 @@ from ..model_config import ModelConfig
 
 
 def inv_frequencies(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, float]:
-    """Returns (inv_freq, attention_scale) in float64 for precision."""
+    """Returns (inv_freq, attention_scale) in float64 for precision, on the host (also inside a meta
+    device context: there arange runs through torch._refs, whose import of torch._dynamo costs
+    seconds)."""
     dim, base, rs = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
-    exps = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+    exps = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim
     inv: torch.Tensor = 1.0 / (base**exps)
     orig = rs.original_max_position or cfg.max_position
     if rs.kind in ("default", "none"):
@@ -42,7 +44,7 @@ def inv_frequencies(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, float
         high: float = min(math.ceil(corr_dim(rs.beta_slow)), dim - 1)
         if low == high:
             high += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
         extrapolation = 1 - ramp
         inv = (inv / rs.factor) * (1 - extrapolation) + inv * extrapolation
         scale = rs.attention_factor or (0.1 * math.log(rs.factor) + 1.0)
@@ -52,7 +54,7 @@ def inv_frequencies(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, float
 
 def cos_sin_table(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     inv, scale = inv_frequencies(cfg, max_len)
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float64), inv)
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float64, device="cpu"), inv)
     emb = torch.cat([freqs, freqs], dim=-1)
     return (emb.cos() * scale).float(), (emb.sin() * scale).float()
 

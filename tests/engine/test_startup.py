@@ -27,6 +27,9 @@ def test_frontend_reaches_the_core_without_importing_torch(model_path: Path) -> 
         "from speckernel.models.checkpoint import resolve\n"
         "from speckernel.models.checkpoint import load_tokenizer\n"
         "cli.build_parser().parse_args(['generate', '--prompt', 'hi'])\n"
+        "from speckernel.config import EngineConfig\n"
+        "from speckernel.engine.check import check\n"
+        "check(EngineConfig(platform='cpu'))  # a platform named: its class is loaded and asked\n"
         "load_tokenizer(resolve('smollm2-135m'))\n"
         "print(sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules))\n"
     )
@@ -42,6 +45,8 @@ def test_engine_core_start_imports_no_compiler(model_path: Path) -> None:
         "from speckernel.config import EngineConfig\n"
         "from speckernel.engine.core import EngineCore\n"
         "core = EngineCore(EngineConfig(platform='cpu', max_model_len=256))\n"
+        "assert all(not p.is_meta for p in core.runner.model.parameters())\n"
+        "core = EngineCore(EngineConfig(model='random:tiny', platform='cpu', max_model_len=256))  # built on meta\n"
         "assert all(not p.is_meta for p in core.runner.model.parameters())\n"
         "print(sorted(m for m in ('torch._dynamo', 'triton', 'transformers') if m in sys.modules))\n"
     )

@@ -466,16 +466,11 @@ def test_real_model_greedy_tokens_equal_without_small_batch(model_path: Any, tok
     """SmolLM2-135M's weights, three prompts decoded together, greedy: the same tokens (and logits
     to float32 rounding) with the small-batch kernels as with the torch path. On a GPU the whole
     model decodes 8 tokens; in the interpreter (about 5 s for the LM head alone per step) its
-    first 3 layers decode 4, with the tiles that make the fewest programs."""
+    first 3 layers decode 4, with the tiles that make the fewest programs (INTERPRETER_TILES)."""
     from speckernel.models.loader import load_model
 
     model = load_model(model_path, torch.float32, DEVICE, 256)
     layers, new_tokens = (model.cfg.num_layers, 8) if ON_GPU else (3, 4)
-    if not ON_GPU:
-        tiles = {"rope": Tile(32, 1024, 4, 1), "silu": Tile(256, 1024, 4, 1), "residual": Tile(256, 2048, 4, 1),
-                 "plain": Tile(512, 64, 4, 1)}
-        monkeypatch.setattr(small_batch, "TILES", tuple((kind, small_batch.ANY, small_batch.ANY, tile)
-                                                        for kind, tile in tiles.items()))
     model.layers = model.layers[:layers]
     cfg = msgspec.structs.replace(model.cfg, num_layers=layers)
     calls = count_launches(monkeypatch)
