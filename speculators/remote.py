@@ -70,6 +70,10 @@ class RemoteOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A reply later than this fails its call (empty drafts) and drops the link."""
     reconnect_ms: Annotated[float, msgspec.Meta(gt=0)] = 500.0
     """How often a dropped link is dialled again."""
+    hello_timeout_ms: Annotated[float, msgspec.Meta(gt=0)] = 30000.0
+    """How long the answer to a Hello may take, at start and after each dial: a drafter builds its
+    buffers (and may load weights) for the first Hello of an engine's sizes, which on a busy host
+    takes tens of seconds. Meanwhile requests run without speculation; nothing waits but the start."""
 
 
 @dataclass
@@ -255,7 +259,7 @@ class Link(threading.Thread):
         sock.connect(self.options.address)
         self.sock, self.fd = sock, cast(int, sock.getsockopt(zmq.FD))
         call = Call(self.next_id(), "hello", [])
-        call.deadline = time.monotonic() + max(self.timeout_s, 1.0)
+        call.deadline = time.monotonic() + self.options.hello_timeout_ms / 1e3
         self.hello_call = call
         self.pending[call.call_id] = call
         sock.send_multipart(self.own_encoder.encode(msgspec.structs.replace(self.hello, call_id=call.call_id)),
@@ -368,11 +372,12 @@ def describe(ctx: SpeculatorContext) -> tuple[SpeculatorCapabilities, Link]:
     counters: dict[str, float] = dict.fromkeys(COUNTERS, 0) | dict.fromkeys(TIMED_COUNTERS, 0.0)
     link = Link(options, hello, counters)
     link.start()
-    wait_s = max(options.timeout_ms / 1e3, 1.0) + 0.5
+    wait_s = options.hello_timeout_ms / 1e3 + 0.5
     if not link.first.wait(wait_s) or link.described is None:
         link.close()
         raise InvalidInputError(f"remote: no served drafter answered at {options.address} within {wait_s:.1f} s "
-                                "(is `speckernel serve-drafter` running there, with these keys, for this target?)")
+                                "(is `speckernel serve-drafter` running there, with these keys, for this target? "
+                                "A drafter that builds slowly takes --speculator-option hello_timeout_ms=MS)")
     described = link.described
     caps = msgspec.convert(described.capabilities, SpeculatorCapabilities)
     fixed = caps.draft_width == "fixed"

@@ -29,7 +29,7 @@ from speckernel.sampling_params import SamplingParams
 from speckernel.tools.serve.metrics import ServeMetrics
 from tests.conftest import PROMPTS, default_sigint, run_to_completion
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]  # call timeouts, reconnects, reply waits; one worker
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=8, temperature=0.8, seed=11, ignore_eos=True)
@@ -317,7 +317,7 @@ def test_only_an_admitted_peer_talks_to_the_drafter(eagle3: Server, keys: Path, 
     rogue.bind(address)
     try:
         with pytest.raises(InvalidInputError, match="no served drafter answered"):
-            engine(Server("eagle3", address, keys), timeout_ms="300")
+            engine(Server("eagle3", address, keys), timeout_ms="300", hello_timeout_ms="300")
         assert not rogue.poll(0)  # and nothing of the engine's reached it
     finally:
         rogue.close(0)
