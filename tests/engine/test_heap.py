@@ -27,9 +27,12 @@ def test_a_full_collection_while_serving_walks_only_what_serving_made() -> None:
         frozen = gc.get_freeze_count()
         assert frozen > 1000, "start-up's objects are out of the collector's view"
         assert len(gc.get_objects()) < frozen / 10
+        late: list[object] = []  # made while serving: in the collector's view
         with frozen_while_serving():  # a second core in the process (data parallel, in-process)
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen, "still frozen while the first core serves"
+            assert any(o is late for o in gc.get_objects()), "the second core froze the heap again"
+        # Not an exact count: another thread (pytest-xdist's) may free a few frozen objects meanwhile.
+        assert gc.get_freeze_count() > 0.99 * frozen, "thawed while the first core serves"
+        del late
         del kept  # garbage now, but frozen: no collection frees it while serving
         assert not any(isinstance(o, Node) for o in gc.get_objects())
     assert gc.get_freeze_count() == 0

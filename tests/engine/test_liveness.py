@@ -19,6 +19,8 @@ from speckernel.errors import EngineDeadError, PromptTooLongError
 from speckernel.frontend import client as client_module
 from speckernel.frontend.client import HEARTBEAT_TIMEOUT_S, ProcessClient
 
+pytestmark = pytest.mark.timing  # heartbeat and silence bounds
+
 CONFIG = EngineConfig(platform="cpu", max_model_len=256, num_kv_blocks=64, seed=0)
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
 

@@ -15,7 +15,7 @@ from speckernel.errors import InvalidSamplingParamsError
 from speckernel.outputs import RequestOutput, TokenLogprobs
 from speckernel.sampling_params import MAX_LOGPROBS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(__name__)]  # one worker builds the module's fixtures
 
 REAL = EngineConfig(platform="cpu", in_process=True, max_model_len=512)
 REPEATS = "one two three four five, one two three four five, one two three four five, one two"

@@ -17,7 +17,7 @@ from speckernel.wire.messages import AddRequest
 from tests.conftest import PROMPTS
 from tests.engine.pipeline_util import run_loop
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(__name__)]  # one worker builds the module's fixtures
 GREEDY = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
 
 

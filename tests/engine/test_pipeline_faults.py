@@ -20,6 +20,8 @@ from speckernel.errors import InvalidInputError
 from speckernel.plugin import SpeculatorCapabilities
 from tests.conftest import exited
 
+pytestmark = pytest.mark.timing  # a dead stage is named within 5 s
+
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 
 

@@ -55,6 +55,8 @@ from speckernel.wire.messages import (
 )
 from tests.conftest import exited
 
+pytestmark = pytest.mark.timing  # death, heartbeat and shutdown bounds
+
 CONFIG = EngineConfig(model="random:tiny", platform="cpu", max_model_len=1024, num_kv_blocks=80, seed=0)
 PROMPT = [1, 2, 3, 4]
 SHORT = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -20,6 +20,8 @@ from speckernel.plugin import Drafts, SpeculatorBase, SpeculatorCapabilities, Sp
 from speckernel.speculators.ngram import NgramSpeculator
 from tests.conftest import run_to_completion
 
+pytestmark = pytest.mark.xdist_group(__name__)  # one worker builds the module's fixtures
+
 BASE = EngineConfig(model="random:tiny", platform="cpu", max_model_len=256, num_kv_blocks=64, seed=0,
                     async_scheduling=False)
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

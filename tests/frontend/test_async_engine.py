@@ -121,6 +121,7 @@ async def _store(box: list, coro) -> None:  # type: ignore[no-untyped-def]
     box.append(await coro)
 
 
+@pytest.mark.timing  # requests fail within 10 s of the core's death
 async def test_core_death_fails_pending_requests_at_once() -> None:
     async with AsyncEngine(CONFIG) as engine:
         errors: list[BaseException] = []

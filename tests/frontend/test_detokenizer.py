@@ -251,6 +251,7 @@ def test_special_tokens_add_no_text_but_are_released_at_the_end(tokenizer: Token
     assert steps[-1].text == "" and steps[-1].token_ids == list(tokenizer.eos_token_ids)
 
 
+@pytest.mark.timing  # under a second
 def test_many_long_stop_strings_cost_time_linear_in_the_text(tokenizer: Tokenizer) -> None:
     """200 stop strings of 500 characters, each sharing a long start with the text: checking them
     all against the text's end after every token cost about 4e7 steps for 400 tokens (seconds);

@@ -164,6 +164,7 @@ def test_forward_with_hidden_returns_exactly_the_layers_asked() -> None:
         model.forward_with_hidden(ids, fresh_cache(), meta(), (TINY.num_layers,))
 
 
+@pytest.mark.timing  # held at least 0.2 s
 def test_cpu_gate_holds_work_until_open() -> None:
     gate = CpuPlatform().host_gate(timeout_s=10)
     ran = threading.Event()
@@ -186,6 +187,7 @@ def test_cpu_gate_holds_work_until_open() -> None:
     assert gate.opened_at - gate.blocked_at >= 0.2
 
 
+@pytest.mark.timing  # under a second
 def test_cpu_gate_opened_early_or_never_enqueued_does_not_block() -> None:
     early = CpuPlatform().host_gate(timeout_s=10)
     early.enqueue()
@@ -196,6 +198,7 @@ def test_cpu_gate_opened_early_or_never_enqueued_does_not_block() -> None:
     assert time.monotonic() - started < 1
 
 
+@pytest.mark.timing  # the timeout, and 40 ms once open
 def test_cpu_gate_opens_itself_on_timeout() -> None:
     gate = CpuPlatform().host_gate(timeout_s=0.05)
     gate.enqueue()

@@ -19,7 +19,7 @@ from speckernel.sampling_params import SamplingParams
 from speckernel.wire.messages import AddRequest, RequestDelta
 from tests.conftest import PROMPTS, run_to_completion
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(__name__)]  # one worker builds the module's fixtures
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 

@@ -17,7 +17,7 @@ from speckernel.engine.core import EngineCore
 from speckernel.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(__name__)]  # one worker builds the module's fixtures
 
 QUESTIONS = ["Write a Python function that returns the sum of a list.", "What is the capital of France?",
              "List three colors."]

@@ -30,6 +30,8 @@ from speckernel.speculators.causal_cascade import (
 )
 from tests.conftest import fit
 
+pytestmark = pytest.mark.xdist_group(__name__)  # one worker builds the module's fixtures
+
 C = CausalCascadeSpeculator
 TINY = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
                    num_kv_heads=2, head_dim=8)

@@ -14,7 +14,7 @@ from speckernel.sampling_params import SamplingParams
 from speckernel.wire.messages import AddRequest
 from tests.conftest import PROMPTS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(__name__)]  # one worker builds the module's fixtures
 TOKENS = 16
 G = dict(max_tokens=TOKENS, ignore_eos=True, temperature=0.0)
 S = dict(max_tokens=TOKENS, ignore_eos=True, temperature=0.8)

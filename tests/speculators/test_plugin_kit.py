@@ -14,7 +14,7 @@ import pytest
 
 from speckernel.conformance import check_speculator
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(__name__)]  # one worker builds the module's fixtures
 EXAMPLE = Path(__file__).parents[1] / "example_speculator"
 
 

@@ -17,7 +17,7 @@ from speckernel.sampling_params import SamplingParams
 from speckernel.wire.messages import AddRequest
 from tests.conftest import PROMPTS, run_to_completion
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(__name__)]  # one worker builds the module's fixtures
 # remote drafts through a served drafter process: tests/speculators/test_remote.py starts one and checks it.
 BUILTIN = sorted(n for n, ep in registry.discover("speculator").items()
                  if ep.value.startswith("speckernel.") and n != "remote")

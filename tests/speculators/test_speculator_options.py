@@ -32,6 +32,7 @@ def test_bad_options_name_the_option(raw: dict[str, str], message: str) -> None:
         parse_options("ngram", NgramOptions, raw)
 
 
+@pytest.mark.timing  # no model load: under 10 s
 def test_options_are_checked_before_any_weight_is_read() -> None:
     started = time.monotonic()
     with pytest.raises(InvalidInputError, match=r"prompt_lookup_min \(3\) exceeds prompt_lookup_max \(2\)"):

@@ -213,6 +213,7 @@ def wait_for_output(proc: subprocess.Popen[bytes], marker: bytes, count: int = 1
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # exits within 10 s of Ctrl-C
 def test_chat_trims_history_to_the_context_and_ctrl_c_at_its_prompt_exits_130() -> None:
     import signal
     import time
@@ -235,6 +236,7 @@ def test_chat_trims_history_to_the_context_and_ctrl_c_at_its_prompt_exits_130() 
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # exits within 10 s of Ctrl-C
 def test_ctrl_c_while_generating_exits_130_at_once() -> None:
     import signal
     import time

@@ -27,6 +27,8 @@ import pytest
 httpx = pytest.importorskip("httpx2")
 openai = pytest.importorskip("openai")
 
+pytestmark = pytest.mark.xdist_group(__name__)  # one worker builds the module's fixtures
+
 START_TIMEOUT_S = 120
 KEY = "sk-test-key"
 TINY = ["--model", "random:tiny", "--platform", "cpu", "--max-model-len", "64", "--num-kv-blocks", "256"]
@@ -54,15 +56,16 @@ class Served:
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.log.read_text()}"
-            assert time.monotonic() < deadline, f"server did not start:\n{self.log.read_text()}"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        with httpx.Client() as client:  # one client: each new one loads the CA certificates (~30 ms)
+            while True:
+                assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.log.read_text()}"
+                assert time.monotonic() < deadline, f"server did not start:\n{self.log.read_text()}"
+                try:
+                    if client.get(f"{self.url}/health", timeout=5).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
 
     def metric(self, name: str, default: float | None = None) -> float:
         """One sample of /metrics, named with its labels if it has any."""

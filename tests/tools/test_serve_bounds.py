@@ -16,15 +16,18 @@ import pytest
 
 from tests.tools.test_serve import Served, serve
 
+pytestmark = pytest.mark.timing  # queue waits, body and header timeouts
+
 httpx = pytest.importorskip("httpx2")
 
-FLAGS = ["--model", "random:tiny", "--platform", "cpu", "--max-model-len", "1024", "--num-kv-blocks", "256",
+FLAGS = ["--model", "random:tiny", "--platform", "cpu", "--max-model-len", "4096", "--num-kv-blocks", "256",
          "--max-num-seqs", "1", "--max-body-bytes", "100000", "--max-prompt-chars", "20000", "--max-stop", "4",
          "--max-stop-chars", "32", "--max-queue", "2", "--max-queue-wait", "1.5", "--body-timeout", "1",
          "--header-timeout", "1"]
 OK = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
-HOLD = {"prompt": [1, 2, 3], "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
-"""A stream that holds the one slot for seconds."""
+HOLD = {"prompt": [1, 2, 3], "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
+"""A stream that holds the one slot for seconds: at least 1.8 s must pass from its first token to
+the end of a wait for the slot (900 tokens took less on an idle host)."""
 
 
 @pytest.fixture(scope="module")

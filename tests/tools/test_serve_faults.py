@@ -19,6 +19,8 @@ import pytest
 
 from tests.tools.test_serve import Served, httpx, post, serve_many
 
+pytestmark = pytest.mark.xdist_group(__name__)  # one worker builds the module's fixtures
+
 MAGIC = [11, 12, 13, 14]
 
 FAULT = textwrap.dedent('''

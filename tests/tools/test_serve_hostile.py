@@ -29,7 +29,7 @@ from tests.tools.test_serve import Served, serve
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx2")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]  # well-behaved TPOT against quiet rounds
 
 HEADER_TIMEOUT_S = 3.0
 FLAGS = ["--platform", "cpu", "--max-model-len", "512", "--header-timeout", str(HEADER_TIMEOUT_S),

@@ -19,6 +19,8 @@ from tests.tools.test_serve import Served, serve
 
 httpx = pytest.importorskip("httpx2")
 
+pytestmark = pytest.mark.xdist_group(__name__)  # one worker builds the module's fixtures
+
 NUM_REQUESTS = 256
 NUM_PROMPTS = 32
 MAX_TOKENS = 12

@@ -12,7 +12,7 @@ import pytest
 from tests.tools.test_serve import Served, post, serve_many
 
 openai = pytest.importorskip("openai")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(__name__)]  # one worker builds the module's fixtures
 
 REAL = ["--platform", "cpu", "--max-model-len", "512"]
 PROMPT = "The capital of France is"
