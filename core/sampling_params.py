@@ -102,6 +102,17 @@ def strict_fields(obj: S, error: type[InvalidInputError]) -> S:
     return msgspec.structs.replace(obj, **values)
 
 
+def check_text(text: str, where: str, error: type[InvalidInputError] = InvalidInputError, item: str = "") -> None:
+    """`error` naming the field `where` (and the `item` of it) for a str that is no Unicode text (a
+    lone surrogate, e.g. from surrogateescape): it could not be encoded to the core, nor matched
+    against decoded output."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise error(f"{where}: not valid Unicode text (a lone surrogate at character {e.start}"
+                    f"{f' of {item}' if item else ''}: {text[e.start]!r})") from None
+
+
 # --- Structured output -----------------------------------------------------------------------------------
 # What a request's output must match: a JSON schema, any JSON object, a regex, a Lark grammar or
 # one of a list of strings, as one llguidance grammar.
@@ -236,6 +247,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
         if isinstance(self.stop, str):  # a str is a sequence of one-letter strings: almost surely a slip
             raise InvalidSamplingParamsError(f"stop: expected a sequence of non-empty strings, got {self.stop!r}")
         params = strict_fields(self, InvalidSamplingParamsError)
+        for i, stop in enumerate(params.stop):
+            check_text(stop, "stop", InvalidSamplingParamsError, f"stop[{i}]")
         if vocab_size is not None:
             outside = [t for t in params.stop_token_ids if t >= vocab_size]
             if outside:

@@ -102,9 +102,10 @@ class Call:
 def curve_keys(folder: str) -> tuple[bytes, bytes, bytes]:
     """(server public, client public, client secret) from the keys folder serve-drafter wrote."""
     path = Path(folder).expanduser()
+    wire.check_private(path / wire.CLIENT_SECRET)
     try:
         server, _ = zmq.auth.load_certificate(str(path / "server.key"))
-        public, secret = zmq.auth.load_certificate(str(path / "client.key_secret"))
+        public, secret = zmq.auth.load_certificate(str(path / wire.CLIENT_SECRET))
     except (OSError, ValueError) as e:
         raise InvalidInputError(f"remote: keys={folder}: needs server.key and client.key_secret as "
                                 f"`speckernel serve-drafter --keys` writes them ({e})") from None
@@ -253,6 +254,7 @@ class Link(threading.Thread):
     def _dial(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.REPLY_FRAME_BYTES)  # a larger reply drops the link, unread
         sock.curve_serverkey = self.server_key
         sock.curve_publickey = self.public
         sock.curve_secretkey = self.secret

@@ -1,7 +1,8 @@
 """ZeroMQ transport: msgspec-framed messages over a PAIR socket, arrays as zero-copy frames.
 
 Neither side can hang the other: sends give up after `send_timeout_s` (a PAIR socket blocks
-while no peer is connected) and a malformed message is a ValueError, never a crash.
+while no peer is connected), a malformed message is a ValueError, never a crash, and a frame
+over `max_frame_bytes` drops the link before it is read.
 """
 
 from __future__ import annotations
@@ -15,16 +16,22 @@ import zmq
 from speckernel.transport import HiddenStates, TokenFrame, TransportCapabilities, TransportMessage
 from speckernel.wire.codec import Decoder, Encoder
 
+MAX_FRAME_BYTES = 2**30
+"""A larger frame (its length is read first) drops the peer's connection unbuffered: a forged
+length never makes the receiver allocate it. 1 GiB holds hidden states [T, H] of 32k tokens of a
+8192-wide float32 model; the engine passes the bound of its own links (`speckernel.wire.limits`)."""
+
 
 class ZmqTransport:
     name = "zmq"
     capabilities = TransportCapabilities(cross_process=True, zero_copy=True)
 
     def __init__(self, address: str, bind: bool, ctx: zmq.Context | None = None,
-                 send_timeout_s: float | None = 10.0) -> None:
+                 send_timeout_s: float | None = 10.0, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.PAIR)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self.send_timeout_s = send_timeout_s
         self.sock.setsockopt(zmq.SNDTIMEO, -1 if send_timeout_s is None else int(send_timeout_s * 1000))
         (self.sock.bind if bind else self.sock.connect)(address)

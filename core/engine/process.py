@@ -34,6 +34,7 @@ import zmq
 from .. import log
 from ..errors import InvalidInputError
 from ..wire.codec import Decoder, Encoder
+from ..wire.limits import engine_frame_limit
 from ..wire.messages import (
     CoreBootstrap,
     CoreFailed,
@@ -104,6 +105,7 @@ class CoreProcess:
         self.log = log.get("core_process")
         self.ctx = zmq.Context()
         self.inbound = self.ctx.socket(zmq.PULL)
+        self.inbound.setsockopt(zmq.MAXMSGSIZE, engine_frame_limit(boot.config))  # a larger frame drops the link
         self.outbound = self.ctx.socket(zmq.PUSH)
         self.outbound.setsockopt(zmq.SNDHWM, 0)  # queue rather than block the loop behind a slow frontend
         for sock, addr in ((self.inbound, boot.in_addr), (self.outbound, boot.out_addr)):

@@ -29,6 +29,7 @@ from ..kernel.token_frames import FrameMismatchError, frame_from_result, frame_m
 from ..models.loader import load_model
 from ..platform import Platform, parse_dtype
 from ..runner.stage_runner import HiddenLink, StageRunner, StageSlice, split_layers
+from ..wire.limits import engine_frame_limit
 from .check import check
 from .speculation import build_speculator, check_speculator
 from .stage_group import StageGroup, plan_group
@@ -83,7 +84,8 @@ class Stage:
             self.to_first = cast(Any, transport_cls)(group, world - 1 if self.slice.first else 0, self.max_rows, k)
         self.to_core: Any = None
         if self.slice.last:
-            self.to_core = cast(Any, registry.load("transport", "zmq"))(boot.results, bind=False, send_timeout_s=None)
+            self.to_core = cast(Any, registry.load("transport", "zmq"))(
+                boot.results, bind=False, send_timeout_s=None, max_frame_bytes=engine_frame_limit(config))
         self.history: dict[int, StepFrame] = {}
         self.seen = -1
         self.digest = hashlib.sha256()
@@ -154,6 +156,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
+    commands.setsockopt(zmq.MAXMSGSIZE, engine_frame_limit(boot.config))  # a larger frame drops the link
     commands.connect(boot.commands[rank])
     reports = ctx.socket(zmq.PUSH)
     reports.setsockopt(zmq.LINGER, 2000)

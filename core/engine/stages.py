@@ -30,6 +30,7 @@ from ..errors import EngineDeadError
 from ..kernel.frame import StepFrame, StepResult
 from ..kernel.kv_plan import KvPlan
 from ..kernel.token_frames import frame_meta, meta_digest, result_from_frame
+from ..wire.limits import engine_frame_limit
 from .check import Checked
 from .stage_messages import HUNG_S, Digest, RunStep, StageBootstrap, StageReport, Stop
 
@@ -83,10 +84,13 @@ class Pipeline:
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind("tcp://127.0.0.1:*")
             self.commands.append(sock)
+        limit = engine_frame_limit(config)  # a larger frame from a stage drops its link (`wire.limits`)
         self.reports = self.ctx.socket(zmq.PULL)
         self.reports.setsockopt(zmq.LINGER, 0)
+        self.reports.setsockopt(zmq.MAXMSGSIZE, limit)
         self.reports.bind("tcp://127.0.0.1:*")
-        self.results: Any = cast(Any, registry.load("transport", "zmq"))("tcp://127.0.0.1:*", bind=True, ctx=self.ctx)
+        self.results: Any = cast(Any, registry.load("transport", "zmq"))("tcp://127.0.0.1:*", bind=True, ctx=self.ctx,
+                                                                         max_frame_bytes=limit)
         boot = StageBootstrap(
             config=config, num_blocks=kv.num_blocks, max_model_len=kv.max_model_len,
             lookahead_slots=kv.lookahead_slots, draft_kv_bytes=kv.draft_kv_bytes,

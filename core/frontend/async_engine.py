@@ -37,7 +37,7 @@ from ..engine.check import check
 from ..models.checkpoint import load_tokenizer
 from ..models.tokenizer import Tokenizer
 from ..outputs import RequestOutput, Timing, TokenLogprobs
-from ..sampling_params import NO_PIPELINE_LOGPROBS, SamplingParams, prompt_token_ids, sampling_params
+from ..sampling_params import NO_PIPELINE_LOGPROBS, SamplingParams, check_text, prompt_token_ids, sampling_params
 from ..wire.messages import (
     AbortRequests,
     AddRequest,
@@ -62,16 +62,6 @@ def error_from_wire(text: str) -> errors.SpeckernelError:
     of a running request ('IndexError: ...') → EngineRequestError with that text."""
     name, _, message = text.partition(": ")
     return errors.rebuild(name, message) or errors.EngineRequestError(text)
-
-
-def _check_text(text: str, where: str) -> None:
-    """A lone surrogate (a str that is no Unicode text, e.g. from surrogateescape) is bad input,
-    not the tokenizer's TypeError."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise errors.InvalidInputError(f"{where}: not valid Unicode text (a lone surrogate at character "
-                                       f"{e.start}: {text[e.start]!r})") from None
 
 
 @dataclass
@@ -196,12 +186,15 @@ class AsyncEngine:
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """The templated conversation's ids; control-token text in message content stays text
-        unless the config allows special tokens (`EngineConfig.allow_special_tokens`)."""
+        unless the config allows special tokens (`EngineConfig.allow_special_tokens`). An empty
+        conversation is refused: the template would render a prompt of its own making."""
+        if isinstance(messages, list | tuple) and not messages:
+            raise errors.InvalidInputError("messages: expected at least one message")
         return self.tokenizer.encode_chat(messages, allow_special_tokens=self.config.allow_special_tokens)
 
     async def tokenize(self, prompt: str) -> list[int]:
         """`tokenizer.encode(prompt)`, in a worker thread when the prompt is long."""
-        _check_text(prompt, "prompt")
+        check_text(prompt, "prompt")
         if len(prompt) <= OFF_LOOP_CHARS:
             return self.tokenizer.encode(prompt)
         return await anyio.to_thread.run_sync(self.tokenizer.encode, prompt, limiter=self._tokenizing)
@@ -212,7 +205,7 @@ class AsyncEngine:
         for i, m in enumerate(messages if isinstance(messages, list | tuple) else ()):
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, str):
-                _check_text(content, f"messages[{i}].content")
+                check_text(content, f"messages[{i}].content")
                 size += len(content)
         if size <= OFF_LOOP_CHARS:
             return self.encode_chat(messages)

@@ -38,6 +38,7 @@ from .. import errors as errors_mod
 from .. import log
 from ..config import EngineConfig
 from ..wire.codec import Decoder, Encoder
+from ..wire.limits import engine_frame_limit
 from ..wire.messages import CoreBootstrap, CoreFailed, CoreMessage, CoreReady, FrontendMessage, Heartbeat, Shutdown
 
 POLL_S = 0.1
@@ -221,6 +222,8 @@ class ProcessClient(CoreClient):
         self.encoder = Encoder()
         self.decoder = Decoder(CoreMessage)
         self.ctx = zmq.Context()
+        self.max_frame_bytes = engine_frame_limit(config)
+        """Both ends refuse a larger frame (`wire.limits`); `send` fails one before it leaves."""
         self.ipc_dir = make_ipc_dir()
         in_addr, out_addr = f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out"
         self.server_public, server_secret = zmq.curve_keypair()
@@ -250,6 +253,7 @@ class ProcessClient(CoreClient):
     def _bind(self, kind: int, addr: str, secret: bytes) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         sock.curve_server = True
         sock.curve_secretkey = secret
         sock.bind(addr)
@@ -283,6 +287,10 @@ class ProcessClient(CoreClient):
         if self.gave_up is not None:
             raise errors_mod.EngineDeadError(f"engine core died: {self.death_reason()}")
         frames = self.encoder.encode(msg)
+        largest = max(len(f) for f in frames)
+        if largest > self.max_frame_bytes:  # the core would drop the link and the message unseen
+            raise errors_mod.InvalidInputError(f"{type(msg).__name__}: a frame of {largest} bytes is over the "
+                                               f"engine link's {self.max_frame_bytes}")
         for _ in range(2):
             try:
                 self.tx.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from ..errors import InvalidSamplingParamsError
 from ..sampling_params import StructuredOutput
 from .grammar import RequestGrammar
 
@@ -45,6 +46,8 @@ class Grammars:
         return RequestGrammar(compiled.result().deep_copy(), self.vocab_size, self.eos_token_ids)
 
     def _build(self, structured: StructuredOutput) -> LLMatcher:
+        """The grammar compiled on the model's tokenizer; one that admits no output is refused here,
+        where the vocabulary is known (the frontend's check has none), not served as an empty answer."""
         from llguidance import LLMatcher, LLTokenizer  # imported by the engines that serve a grammar
 
         if self._tokenizer is None:  # about 0.7 s for a 49k vocabulary: once, on this thread
@@ -58,6 +61,9 @@ class Grammars:
         if matcher.is_error():
             raise ValueError(f"structured.{structured.kind}: {matcher.get_error()}")
         matcher.compute_bitmask()  # the lexer's first states are built here, not in the first step
+        if matcher.is_error():  # llguidance's NoExtensionBias: no token can begin an output
+            raise InvalidSamplingParamsError(f"structured.{structured.kind}: the grammar admits no output (no token "
+                                             "can begin it; e.g. a schema whose $ref refers only to itself)")
         self.num_compiled += 1
         return matcher
 

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import secrets
 import signal
+import stat
 import threading
 import time
 from pathlib import Path
@@ -31,6 +34,8 @@ from .. import log
 from ..errors import InvalidInputError
 from ..wire.codec import Decoder, Encoder
 from ..wire.drafter import (
+    CLIENT_SECRET,
+    SERVER_SECRET,
     Describe,
     Described,
     Done,
@@ -43,7 +48,9 @@ from ..wire.drafter import (
     Ingest,
     Ping,
     Propose,
+    check_private,
 )
+from ..wire.limits import DEFAULT_STEP_TOKENS, drafter_request_limit
 from .engine_args import parse_options
 
 TIMED = ("decode", "hold", "prepare", "compute", "d2h", "send")
@@ -64,6 +71,10 @@ def add_arguments(sub: Any) -> None:
                         "(written when missing)")
     p.add_argument("--platform", default=None, help="platform plugin (default: the best available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the platform's)")
+    p.add_argument("--max-step-tokens", type=int, default=DEFAULT_STEP_TOKENS, metavar="N",
+                   help="the most query tokens of one engine step (at least the engine's max_num_batched_tokens; "
+                        f"default: {DEFAULT_STEP_TOKENS}): a frame larger than one target layer's hidden states "
+                        "of that many tokens disconnects its peer")
     p.add_argument("--inject-rtt-ms", type=float, default=0.0, help="hold each reply back by this round trip")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step at its own size (default: steady-state steps of a device-only drafter "
@@ -71,17 +82,57 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
+def _write_key(path: Path, mode: int, public: bytes, secret: bytes | None = None) -> None:
+    """A certificate as `zmq.auth.load_certificate` reads it. The file is created with its final
+    mode (never readable by others, not even for a moment) under a temporary name, then renamed,
+    so a concurrent start never reads half a key."""
+    kind = "Secret" if secret else "Public"
+    text = (f"#   ZeroMQ CURVE {kind} Certificate, written by speckernel serve-drafter\n"
+            f"metadata\ncurve\n    public-key = \"{public.decode()}\"\n")
+    if secret:
+        text += f"    secret-key = \"{secret.decode()}\"\n"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_pair(folder: Path, name: str) -> bytes:
+    """A fresh key pair `name.key` (public, 0644) and `name.key_secret` (0600); the public key."""
+    public, secret = zmq.curve_keypair()
+    _write_key(folder / f"{name}.key", 0o644, public)
+    _write_key(folder / f"{name}.key_secret", 0o600, public, secret)
+    return public
+
+
+def _check_folder(folder: Path) -> None:
+    """Whoever may write into the keys folder (or `clients/`) can admit a key of their own."""
+    mode = stat.S_IMODE(folder.stat().st_mode)
+    if mode & 0o022:
+        raise InvalidInputError(f"keys folder {folder} is writable by group or others (mode {mode:04o}); "
+                                f"run `chmod 700 {folder}`")
+
+
 def ensure_keys(folder: Path) -> tuple[tuple[bytes, bytes], Path]:
-    """The server's key pair, and the folder of admitted client keys (both written when missing)."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """The server's key pair, and the folder of admitted client keys (both written when missing,
+    in 0700 folders; secret files 0600). A secret file or a folder others may use is refused."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     clients = folder / "clients"
-    clients.mkdir(exist_ok=True)
-    if not (folder / "server.key_secret").is_file():
-        zmq.auth.create_certificates(str(folder), "server")
-    if not (folder / "client.key_secret").is_file():
-        public, _ = zmq.auth.create_certificates(str(folder), "client")
-        (clients / "client.key").write_bytes(Path(public).read_bytes())
-    server_public, server_secret = zmq.auth.load_certificate(str(folder / "server.key_secret"))
+    clients.mkdir(mode=0o700, exist_ok=True)
+    for path in (folder, clients):
+        _check_folder(path)
+    if not (folder / SERVER_SECRET).is_file():
+        _write_pair(folder, "server")
+    if not (folder / CLIENT_SECRET).is_file():
+        _write_key(clients / "client.key", 0o644, _write_pair(folder, "client"))
+    for name in (SERVER_SECRET, CLIENT_SECRET):
+        check_private(folder / name)
+    server_public, server_secret = zmq.auth.load_certificate(str(folder / SERVER_SECRET))
     assert server_secret is not None
     return (server_public, server_secret), clients
 
@@ -89,7 +140,8 @@ def ensure_keys(folder: Path) -> tuple[tuple[bytes, bytes], Path]:
 class DrafterServer:
     """The socket loop around a `DrafterHost`."""
 
-    def __init__(self, host: Any, bind: str, keys: Path, inject_rtt_ms: float = 0.0) -> None:
+    def __init__(self, host: Any, bind: str, keys: Path, inject_rtt_ms: float = 0.0,
+                 max_step_tokens: int = DEFAULT_STEP_TOKENS) -> None:
         self.host = host
         self.log = log.get("serve_drafter")
         self.rtt_s = inject_rtt_ms / 1e3
@@ -100,6 +152,9 @@ class DrafterServer:
         self.auth.configure_curve(domain="*", location=str(clients))
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.max_frame_bytes = drafter_request_limit(host.target.hidden_size, max_step_tokens)
+        """A larger frame drops its peer's connection before any of it is buffered (`wire.limits`)."""
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         self.sock.curve_server = True
         self.sock.curve_secretkey = secret
         self.sock.bind(bind)
@@ -115,7 +170,8 @@ class DrafterServer:
         self.num_timed = 0
 
     def serve(self) -> None:
-        self.log.info("drafter_serving", address=self.address, method=self.host.method, session=self.host.session)
+        self.log.info("drafter_serving", address=self.address, method=self.host.method, session=self.host.session,
+                      max_frame_bytes=self.max_frame_bytes)
         try:
             while not self.stop.is_set():
                 if not self.sock.poll(100):
@@ -205,10 +261,13 @@ class DrafterServer:
 def main(args: argparse.Namespace) -> int:
     from ..engine.drafter import DrafterHost  # torch and the drafter load for this command alone
 
+    if args.max_step_tokens < 1:
+        raise InvalidInputError(f"--max-step-tokens: expected >= 1, got {args.max_step_tokens}")
+    ensure_keys(args.keys)  # a key others may read is refused before the model loads
     host = DrafterHost(args.method, args.model, platform=args.platform, dtype=args.dtype,
                        draft_model=args.draft_model, options=parse_options(args.speculator_option),
                        graphs=not args.enforce_eager)
-    server = DrafterServer(host, args.bind, args.keys, args.inject_rtt_ms)
+    server = DrafterServer(host, args.bind, args.keys, args.inject_rtt_ms, args.max_step_tokens)
     signal.signal(signal.SIGTERM, lambda *_: server.stop.set())
     print(f"serving {args.method} for {host.path.name} at {server.address}", flush=True)
     try:

@@ -9,12 +9,21 @@ the step, so a reply can only ever be applied to the request it was computed for
 
 from __future__ import annotations
 
+import os
+import stat
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from ..errors import InvalidInputError
 from ..sampling_params import RowSampling
+from .limits import REPLY_FRAME_BYTES as REPLY_FRAME_BYTES
+
+SERVER_SECRET = "server.key_secret"
+CLIENT_SECRET = "client.key_secret"
+"""The CURVE secret key files of a keys folder (`speckernel serve-drafter --keys DIR`)."""
 
 WIRE = {"array_like": True, "omit_defaults": True, "gc": False, "tag": True}
 
@@ -151,3 +160,15 @@ def fingerprint(config: msgspec.Struct) -> str:
 
 HIDDEN_CARRIERS = {"float32": "float32", "float16": "float16", "bfloat16": "int16"}
 """Hidden-state dtype on the wire -> the numpy dtype carrying it (bfloat16 travels as its bits)."""
+
+
+def check_private(path: Path) -> None:
+    """Refuses a secret key file that group or others may read (whoever reads it can pose as its
+    holder), with the fix in one line; a missing file is left to the loader to report."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return
+    if mode & 0o077:
+        raise InvalidInputError(f"secret key {path} is open to group or others (mode {mode:04o}); "
+                                f"run `chmod 600 {path}`")

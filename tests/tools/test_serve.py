@@ -69,7 +69,7 @@ class Served:
 
     def metric(self, name: str, default: float | None = None) -> float:
         """One sample of /metrics, named with its labels if it has any."""
-        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+        for line in httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])
         assert default is not None, f"{name} not in /metrics"
@@ -218,7 +218,7 @@ def test_usage_and_metrics_count_tokens(tiny: Served) -> None:
     assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
     assert chunks[-1].usage.completion_tokens == 5 and not chunks[-1].choices
     assert tiny.metric("speckernel_generation_tokens_total") == before + 10
-    text = httpx.get(f"{tiny.url}/metrics").text
+    text = httpx.get(f"{tiny.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     for name in ("speckernel_time_to_first_token_seconds_bucket", "speckernel_time_per_output_token_seconds_count",
                  'speckernel_requests_total{outcome="length"}', "speckernel_kv_blocks_in_use",
                  "speckernel_spec_acceptance_rate", "speckernel_spec_k0_steps_total"):

@@ -29,7 +29,14 @@ from starlette.types import Receive, Scope, Send
 
 from ... import log
 from ...config import EngineConfig
-from ...errors import EngineDeadError, EngineOverloadedError, EngineRequestError, InvalidInputError, SpeckernelError
+from ...errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineRequestError,
+    InvalidInputError,
+    InvalidSamplingParamsError,
+    SpeckernelError,
+)
 from ...frontend.async_engine import AsyncEngine
 from ...outputs import RequestOutput
 from ...sampling_params import SamplingParams
@@ -62,6 +69,7 @@ from .protocol import (
     ModelCard,
     ModelList,
     ModelNotFound,
+    R,
     TextChoice,
     Usage,
     decode,
@@ -201,9 +209,17 @@ class EventStream(StreamingResponse):
 
 
 class Server:
+    public_metrics = False
+    """`/metrics` answers without the API key (`--public-metrics`); by default it needs the key when
+    one is set, since the counters tell a stranger how much the server serves and what."""
+
     def __init__(self, config: EngineConfig, api_key: str | None = None, limits: ServeLimits | None = None,
-                 restarts: RestartPolicy | None = None, on_give_up: Callable[[str], None] | None = None) -> None:
+                 restarts: RestartPolicy | None = None, on_give_up: Callable[[str], None] | None = None,
+                 ignore_unknown_fields: bool = False) -> None:
         self.config = config
+        self.ignore_unknown_fields = ignore_unknown_fields
+        """A request key no request type has is ignored instead of refused (400): for clients that
+        send extras (`--ignore-unknown-fields`)."""
         self.api_key = api_key
         self.limits = limits or ServeLimits()
         self.admission = Admission(self.limits)
@@ -353,7 +369,10 @@ class Server:
         if self.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), self.api_key):
+        # As bytes: the header's as they arrived (Starlette decodes them as latin-1), the key's as
+        # UTF-8; compare_digest refuses a str that is not ASCII, which would be a 500, not a 401.
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode("latin-1"),
+                                                                    self.api_key.encode()):
             raise Unauthorized
 
     # --- endpoints ---------------------------------------------------------------------------
@@ -379,6 +398,8 @@ class Server:
         }), media_type="application/json")
 
     async def metrics_endpoint(self, request: Request) -> Response:
+        if not self.public_metrics:
+            self._authorize(request)
         stats: dict[str, Any] | None
         try:
             with anyio.fail_after(HEALTH_TIMEOUT_S):
@@ -389,12 +410,9 @@ class Server:
 
     async def chat(self, request: Request) -> Response:
         self._authorize(request)
-        req = decode(await read_body(request, self.limits), ChatCompletionRequest)
-        assert isinstance(req, ChatCompletionRequest)
+        req = self._decode(await read_body(request, self.limits), ChatCompletionRequest)
         self._check_model(req.model)
         check_stop(req.stop, self.limits)
-        if not req.messages:
-            raise BadRequest("messages: expected at least one message", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         check_prompt_chars(sum(len(m["content"]) for m in messages), self.limits, "messages")
         ids = await self.engine.tokenize_chat(messages)
@@ -403,8 +421,7 @@ class Server:
 
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
-        req = decode(await read_body(request, self.limits), CompletionRequest)
-        assert isinstance(req, CompletionRequest)
+        req = self._decode(await read_body(request, self.limits), CompletionRequest)
         self._check_model(req.model)
         check_stop(req.stop, self.limits)
         engine = self.engine
@@ -420,6 +437,9 @@ class Server:
             raise BadRequest("prompt: expected a non-empty prompt", "prompt")
         check_prompt_tokens(len(ids), self.limits, "prompt")
         return await self._serve(request, req, ids, chat=False)
+
+    def _decode(self, body: bytes, kind: type[R]) -> R:
+        return decode(body, kind, max_depth=self.limits.max_json_depth, ignore_unknown=self.ignore_unknown_fields)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -440,6 +460,8 @@ class Server:
             response = await self._generate(request, req, ids, params, chat=chat)
             streaming = isinstance(response, EventStream)
             return response
+        except InvalidSamplingParamsError as e:  # the core refused the grammar (it admits no output)
+            raise req.named(e) from None
         finally:
             if not streaming:
                 self.admission.leave()
@@ -580,5 +602,6 @@ class Server:
 
 
 def build_app(config: EngineConfig, api_key: str | None = None, limits: ServeLimits | None = None,
-              restarts: RestartPolicy | None = None, on_give_up: Callable[[str], None] | None = None) -> Starlette:
-    return Server(config, api_key, limits, restarts, on_give_up).app()
+              restarts: RestartPolicy | None = None, on_give_up: Callable[[str], None] | None = None,
+              ignore_unknown_fields: bool = False) -> Starlette:
+    return Server(config, api_key, limits, restarts, on_give_up, ignore_unknown_fields).app()

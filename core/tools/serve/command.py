@@ -51,13 +51,18 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=port, default=8000, help="TCP port, 0: any free one (the ready line says which)")
     p.add_argument("--api-key-file", type=Path, default=None, metavar="PATH",
-                   help=f"require `Authorization: Bearer KEY` on /v1/*, KEY read from this file "
+                   help=f"require `Authorization: Bearer KEY` on /v1/* and /metrics, KEY read from this file "
                         f"(default: ${API_KEY_ENV}, else none)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help=f"the key itself: visible to every user in `ps`, so a warning says to use ${API_KEY_ENV} "
                         "or --api-key-file instead")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="serve /metrics without the API key (default: /metrics needs it when one is set)")
     p.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="no line per request (method, path, status, duration) on stderr")
+    p.add_argument("--ignore-unknown-fields", action="store_true",
+                   help="ignore request keys the server does not know (default: refused with 400 naming the key); "
+                        "known fields it does not serve, such as logit_bias or tools, stay refused")
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded at once (default: 64)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache blocks (default: sized from the platform's free memory)")
@@ -195,7 +200,9 @@ def main(args: argparse.Namespace) -> int:
     if level in ("debug", "info", "warning"):  # the ready, shutdown and access lines show by default
         logging.getLogger("speckernel.serve").setLevel(min(logging.INFO, logging.getLevelName(level.upper())))
     logging.getLogger(ACCESS_LOGGER).disabled = not args.access_log
-    served = Server(checked.config, api_key=key, limits=bounds, restarts=policy, on_give_up=give_up)
+    served = Server(checked.config, api_key=key, limits=bounds, restarts=policy, on_give_up=give_up,
+                    ignore_unknown_fields=args.ignore_unknown_fields)
+    served.public_metrics = args.public_metrics
     server = ServeServer(served, url_of(sock), uvicorn.Config(
         served.app(), log_level=level, access_log=False, timeout_graceful_shutdown=5,
         timeout_keep_alive=bounds.keep_alive_s, http=guarded_h11(bounds.header_timeout_s)))

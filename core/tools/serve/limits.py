@@ -9,10 +9,12 @@ that does not arrive in time.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Annotated
 
 import anyio
 import msgspec
+import numpy as np
 
 from ...errors import EngineOverloadedError, InvalidInputError
 
@@ -45,6 +47,9 @@ class ServeLimits(msgspec.Struct, frozen=True, kw_only=True):
     response), whether it sends nothing or drips a byte at a time; then it is closed."""
     keep_alive_s: Positive = 5
     """An idle keep-alive connection is closed after this long (uvicorn's timeout_keep_alive)."""
+    max_json_depth: Positive = 128
+    """Arrays and objects nested in a request body (a JSON schema 60 levels deep fits); a body
+    nested deeper is refused (400) before it is decoded."""
 
 
 class BodyTooLarge(InvalidInputError):
@@ -74,6 +79,32 @@ async def read_body(request: Request, limits: ServeLimits) -> bytes:
     if scope.cancelled_caught:
         raise BodyTimeout(f"request body did not arrive within {limits.body_timeout_s} s (--body-timeout)")
     return b"".join(chunks)
+
+
+_ESCAPE = re.compile(rb"\\.", re.DOTALL)
+_STRING = re.compile(rb'"[^"]*"')
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+
+
+def json_depth(body: bytes) -> int:
+    """How deep arrays and objects nest in a JSON text, in C-speed passes (no recursion, no
+    decoding): escapes, then strings, are cut out, and the brackets left are counted."""
+    brackets = _STRING.sub(b"", _ESCAPE.sub(b"", body)).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    steps = np.frombuffer(brackets, np.uint8)
+    return int(np.cumsum(np.where((steps == ord("[")) | (steps == ord("{")), 1, -1)).max())
+
+
+def check_json_depth(body: bytes, max_depth: int) -> None:
+    """InvalidInputError for a body nested deeper than max_depth (a body with fewer brackets than
+    that cannot be, and is not scanned)."""
+    if body.count(b"[") + body.count(b"{") <= max_depth:
+        return
+    depth = json_depth(body)
+    if depth > max_depth:
+        raise InvalidInputError(f"request body nests arrays and objects {depth} deep; this server takes at most "
+                                f"{max_depth}")
 
 
 def check_stop(stop: str | list[str] | None, limits: ServeLimits) -> None:
