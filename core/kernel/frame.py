@@ -97,6 +97,10 @@ class RowResult(msgspec.Struct, frozen=True, array_like=True):
     """This row failed on the device: its request fails, the rest of the frame goes on."""
     logprobs: list[TokenLogprobs] | None = None
     """One per sampled token, for a row whose request asked for logprobs."""
+    num_drafted: int | None = None
+    """Of `num_drafts`, the drafts a speculator proposed: those before the -1 padding a
+    variable-width drafter leaves where drafts stay on the device. The acceptance counters count
+    these; None: all `num_drafts` (the host trimmed the padding before scheduling)."""
 
 
 class StepResult(msgspec.Struct, frozen=True, array_like=True):

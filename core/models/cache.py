@@ -1,9 +1,11 @@
 """The on-disk cache of fetched and converted models: where it lives, and how a write into it
-stays whole (a temporary folder renamed at the end; one left by a killed process is swept)."""
+stays whole (a temporary folder renamed at the end; one left by a killed process is swept) and
+happens once (a lock per entry: a second process waits for the first and reuses its result)."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -33,6 +35,25 @@ def remove_stale_temps(folder: Path) -> None:
         with contextlib.suppress(OSError):
             if time.time() - tmp.stat().st_mtime > STALE_TEMP_S:
                 shutil.rmtree(tmp, ignore_errors=True)
+
+
+def lock_path(entry: Path) -> Path:
+    return entry.with_name(f".{entry.name}.lock")
+
+
+@contextlib.contextmanager
+def entry_lock(entry: Path) -> Iterator[None]:
+    """Held while one process checks and writes the cache entry `entry`; others wait. An flock,
+    so the kernel drops it when its holder dies, however it dies: a crashed writer leaves its
+    lock file (empty, harmless) but never a lock held."""
+    lock = lock_path(entry)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager

@@ -1,10 +1,13 @@
 """GGUF files (read with `gguf`): the model config, the tokenizer and the weights, and the
 converted cache that makes later starts load in a second.
 
-Parsing GGUF metadata and dequantizing takes several seconds, and every engine start would pay
-it twice (frontend and core), so a GGUF file is converted once into a folder of fused fp32
-safetensors, the model config and an HF-style tokenizer. The frontend finds a finished
-conversion without torch; only converting imports it.
+Parsing GGUF metadata takes seconds (a 50k-token vocabulary) and dequantizing more, and every
+engine start would pay it twice (frontend and core). So a GGUF file is converted once per cache
+entry, under a lock: its config, tokenizer and tensor table into one folder (all the frontend
+reads, without torch), and its weights, dequantized and cast to the dtype the engine runs in,
+into a folder per dtype (only the engine core converts those, from the tensor table, without
+parsing the metadata again). The engine casts its weights to its dtype at load anyway, so a
+bfloat16 entry (half an fp32 one) loads bit for bit the weights an fp32 one would.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +32,7 @@ from tqdm import tqdm
 from ..errors import InvalidInputError, UnknownModelError
 from ..model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from .builtin import builtin_source
-from .cache import TEMP_PREFIX, cache_dir, remove_stale_temps, sigterm_raises
+from .cache import TEMP_PREFIX, cache_dir, entry_lock, lock_path, remove_stale_temps, sigterm_raises
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -99,26 +102,29 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf(reader: Any, cfg: ModelConfig, desc: str = "loading weights") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(tensors: Iterable[tuple[str, int, np.ndarray]], cfg: ModelConfig, dtype: torch.dtype,
+              desc: str = "loading weights") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, GGML type, raw data as the reader views it) → the model's piece names, dequantized
+    and cast to `dtype` one tensor at a time (the cast the model's `.to(dtype)` would make)."""
     import torch  # only converting makes tensors; the frontend reads a finished conversion without torch
 
     permuted = cfg.architecture in ("llama", "mistral")
-    for t in tqdm(reader.tensors, desc=desc, unit="tensor", leave=False, disable=None):
-        array = gguf.quants.dequantize(t.data, t.tensor_type)
+    for name, kind, data in tqdm(list(tensors), desc=desc, unit="tensor", leave=False, disable=None):
+        array = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(kind))
         array = np.asarray(array, dtype=np.float32)
         if not array.flags.writeable or not array.flags.c_contiguous:  # F32 tensors map the file
             array = array.copy()
         tensor = torch.from_numpy(array)
-        parts = t.name.split(".")
+        parts = name.split(".")
         if parts[0] == "blk":
-            layer, piece, kind = int(parts[1]), GGUF_PIECES.get(parts[2]), parts[3]
+            layer, piece, kind_ = int(parts[1]), GGUF_PIECES.get(parts[2]), parts[3]
             if piece is None:
                 continue
             if permuted and piece in ("q", "k"):
                 tensor = unpermute_qk(tensor, cfg.num_heads if piece == "q" else cfg.num_kv_heads)
-            yield f"layers.{layer}.{piece}.{kind}", tensor
+            yield f"layers.{layer}.{piece}.{kind_}", tensor.to(dtype)
         elif parts[0] in GGUF_GLOBALS:
-            yield f"{GGUF_GLOBALS[parts[0]]}.{parts[1]}", tensor
+            yield f"{GGUF_GLOBALS[parts[0]]}.{parts[1]}", tensor.to(dtype)
 
 
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
@@ -172,10 +178,14 @@ def tokenizer_from_gguf(reader: Any, path: Path) -> Tokenizer:
 # --- the converted cache --------------------------------------------------------------------
 
 
-CONVERTED_VERSION = 2
+CONVERTED_VERSION = 3
+"""3: config and tokenizer apart from the weights, which are kept in the engine's dtype."""
 
 
 MODEL_CONFIG, WEIGHTS, MANIFEST = "speckernel_model.json", "speckernel_model.safetensors", "speckernel_manifest.json"
+
+
+TENSORS = "speckernel_tensors.json"
 
 
 class Manifest(msgspec.Struct, frozen=True):
@@ -184,52 +194,93 @@ class Manifest(msgspec.Struct, frozen=True):
 
     source: str
     sizes: dict[str, int]
+    seconds: float = 0.0
+    """How long the conversion took: the first start's summary line names it."""
+
+
+class TensorEntry(msgspec.Struct, frozen=True, array_like=True):
+    """One tensor's data in the GGUF file, as the reader views it: the weights are converted
+    from this table without parsing the file's metadata a second time."""
+
+    name: str
+    kind: int
+    """Its GGMLQuantizationType."""
+    offset: int
+    dtype: str
+    """The numpy dtype of its raw data (uint8 blocks for a quantized tensor), byte order included."""
+    shape: list[int]
 
 
 class DamagedCheckpointError(InvalidInputError):
     """A model file that cannot be read (truncated, corrupt); the message says what to do."""
 
 
+class Conversion(msgspec.Struct, frozen=True):
+    """A converted cache entry, and how long converting it took where this call did (None: it
+    was there already, or another process converted it while this one waited)."""
+
+    folder: Path
+    seconds: float | None = None
+
+
 def converted_folder(path: Path) -> Path:
+    """The entry of `path`'s config and tokenizer; its weights' entries are named after it."""
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{CONVERTED_VERSION}".encode())
     return cache_dir() / "converted" / f"{path.stem}-{key.hexdigest()[:16]}"
 
 
+def weights_folder(path: Path, dtype: torch.dtype) -> Path:
+    meta = converted_folder(path)
+    return meta.with_name(f"{meta.name}-{str(dtype).removeprefix('torch.')}")
+
+
 def intact(folder: Path) -> bool:
     """The folder holds a finished conversion whose files still have the sizes written."""
+    return manifest_of(folder) is not None
+
+
+def manifest_of(folder: Path) -> Manifest | None:
+    """The manifest of a finished conversion whose files still have the sizes written."""
     try:
         manifest = msgspec.json.decode((folder / MANIFEST).read_bytes(), type=Manifest)
-        return all((folder / name).stat().st_size == size for name, size in manifest.sizes.items())
+        ok = all((folder / name).stat().st_size == size for name, size in manifest.sizes.items())
     except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-        return False
+        return None
+    return manifest if ok else None
 
 
 def converted(path: Path) -> Path:
-    """A GGUF file converted once into a folder that loads in a second: fused fp32 safetensors,
-    the model config and an HF-style tokenizer. Parsing GGUF metadata and dequantizing takes
-    several seconds, and every engine start would pay it twice (frontend and core). A damaged
-    conversion is converted again."""
-    folder = converted_folder(path)
-    if intact(folder):
-        return folder
-    if folder.exists():
-        print(f"speckernel: converted cache {folder} is incomplete or damaged; converting {path} again",
-              file=sys.stderr)
-        shutil.rmtree(folder, ignore_errors=True)
-    started = time.monotonic()
+    """The folder of a GGUF file's config, tokenizer and tensor table: converted once (the
+    first caller converts, one that comes meanwhile waits for it and reads its result)."""
+    return convert_once(path, converted_folder(path), lambda out: write_conversion(path, out)).folder
+
+
+def converted_weights(path: Path, dtype: torch.dtype) -> Conversion:
+    """The folder of a GGUF file's weights dequantized, fused and cast to `dtype`, converted
+    once per dtype (as `converted`)."""
+    meta = converted(path)
+    return convert_once(path, weights_folder(path, dtype), lambda out: write_weights(path, meta, dtype, out))
+
+
+def convert_once(path: Path, folder: Path, write: Callable[[Path], None]) -> Conversion:
+    """`folder` as `write` fills it, written once: under the entry's lock, a finished entry is
+    reused and a damaged one converted again. An OSError is one line naming the cache."""
     try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        convert(path, folder)
+        with entry_lock(folder):
+            if intact(folder):
+                return Conversion(folder)
+            if folder.exists():
+                print(f"speckernel: converted cache {folder} is incomplete or damaged; converting {path} again",
+                      file=sys.stderr)
+                shutil.rmtree(folder, ignore_errors=True)
+            started = time.monotonic()
+            convert(path, folder, write, started)
+            prune_conversions(path, converted_folder(path))
+            return Conversion(folder, time.monotonic() - started)
     except OSError as e:
         raise DamagedCheckpointError(f"cannot write the converted model to {folder.parent} ({e.strerror or e}); "
                                      "set SPECKERNEL_CACHE to a writable folder") from None
-    prune_conversions(path, folder)
-    # A bar showed the conversion on a terminal; a log learns of it afterwards (a damaged file
-    # fails in one line, with nothing before it).
-    print(f"speckernel: converted {path.name} in {time.monotonic() - started:.1f}s (once; kept in {folder})",
-          file=sys.stderr)
-    return folder
 
 
 def read_gguf(path: Path) -> Any:
@@ -248,45 +299,65 @@ def damaged(path: Path, error: BaseException) -> DamagedCheckpointError:
 
 
 def write_conversion(path: Path, out: Path) -> None:
-    """The GGUF file's weights, config and tokenizer, written into the folder `out`."""
+    """The GGUF file's config, tokenizer and tensor table, written into the folder `out`."""
+    reader = read_gguf(path)
+    cfg = gguf_config(reader)
+    table = [TensorEntry(t.name, int(t.tensor_type), int(t.data_offset), t.data.dtype.str, list(t.data.shape))
+             for t in reader.tensors]
+    tokenizer_from_gguf(reader, path).save(out)
+    (out / TENSORS).write_bytes(msgspec.json.encode(table))
+    (out / MODEL_CONFIG).write_bytes(msgspec.json.encode(cfg))
+
+
+def tensor_data(path: Path, table: list[TensorEntry]) -> Iterator[tuple[str, int, np.ndarray]]:
+    """Each tensor's raw data, viewed as the reader viewed it, from a map of the file."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for t in table:
+        dtype = np.dtype(t.dtype)
+        count = int(np.prod(t.shape))
+        end = t.offset + dtype.itemsize * count
+        if end > len(data):
+            raise ValueError(f"tensor {t.name} ends at byte {end}, past the file's end")
+        yield t.name, t.kind, data[t.offset : end].view(dtype).reshape(t.shape)
+
+
+def write_weights(path: Path, meta: Path, dtype: torch.dtype, out: Path) -> None:
+    """The GGUF file's weights, fused and cast to `dtype`, written into the folder `out`."""
     # Converting needs torch (safetensors.torch, the weight assembly); reading a conversion does not.
     from safetensors.torch import save_file
 
     from .weights import assemble
 
-    reader = read_gguf(path)
-    cfg = gguf_config(reader)
+    cfg = msgspec.json.decode((meta / MODEL_CONFIG).read_bytes(), type=ModelConfig)
+    table = msgspec.json.decode((meta / TENSORS).read_bytes(), type=list[TensorEntry])
+    desc = f"converting {path.name} to {str(dtype).removeprefix('torch.')} (once)"
     try:
-        state = assemble(dict(iter_gguf(reader, cfg, f"converting {path.name} (once)")), cfg)
+        state = assemble(dict(iter_gguf(tensor_data(path, table), cfg, dtype, desc)), cfg)
     except (ValueError, IndexError, KeyError) as e:
         raise damaged(path, e) from None
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / WEIGHTS))
-    tokenizer_from_gguf(reader, path).save(out)
-    (out / MODEL_CONFIG).write_bytes(msgspec.json.encode(cfg))
 
 
-def convert(path: Path, folder: Path) -> None:
-    """write_conversion into a temporary folder, then the manifest, then one rename: a folder
-    under the final name is always complete, and an interrupted one leaves nothing behind."""
+def convert(path: Path, folder: Path, write: Callable[[Path], None], started: float) -> None:
+    """`write` into a temporary folder, then the manifest, then one rename: a folder under the
+    final name is always complete, and an interrupted one leaves nothing behind."""
     remove_stale_temps(folder.parent)
     with sigterm_raises(), tempfile.TemporaryDirectory(prefix=TEMP_PREFIX, dir=folder.parent) as tmp:
-        write_conversion(path, Path(tmp))
+        write(Path(tmp))
         sizes = {f.name: f.stat().st_size for f in Path(tmp).iterdir()}
-        Path(tmp, MANIFEST).write_bytes(msgspec.json.encode(Manifest(str(path.resolve()), sizes)))
-        try:
-            os.rename(tmp, folder)
-        except OSError:  # another process converted it first
-            pass
-        else:
-            os.mkdir(tmp)  # TemporaryDirectory cleans up a path that must exist
+        manifest = Manifest(str(path.resolve()), sizes, time.monotonic() - started)
+        Path(tmp, MANIFEST).write_bytes(msgspec.json.encode(manifest))
+        os.rename(tmp, folder)  # the entry's lock is held: no other process writes this folder
+        os.mkdir(tmp)  # TemporaryDirectory cleans up a path that must exist
 
 
 def prune_conversions(path: Path, keep: Path) -> None:
     """Earlier conversions of the same file (before it changed, or by an older version, which
-    wrote no manifest) are dead weight, hundreds of MB each: remove them."""
+    wrote no manifest) are dead weight, hundreds of MB each: remove them, and their locks.
+    `keep` and its weights' folders (named after it) stay."""
     source = str(path.resolve())
     for other in keep.parent.glob(f"{path.stem}-*"):
-        if other == keep or not other.is_dir():
+        if other.name == keep.name or other.name.startswith(f"{keep.name}-") or not other.is_dir():
             continue
         try:
             stale = msgspec.json.decode((other / MANIFEST).read_bytes(), type=Manifest).source == source
@@ -296,3 +367,4 @@ def prune_conversions(path: Path, keep: Path) -> None:
             stale = False
         if stale:
             shutil.rmtree(other, ignore_errors=True)
+            lock_path(other).unlink(missing_ok=True)

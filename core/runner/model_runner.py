@@ -45,7 +45,7 @@ from .sampler import SamplingTensors, sample_on_device, token_logprobs
 from .step_graphs import StepGraphs
 from .step_shape import DeviceOutputs, StepShape
 from .token_pool import TokenPool
-from .verify import verify
+from .verify import drafted_counts, verify
 
 log = logmod.get("runner")
 
@@ -297,7 +297,7 @@ class ModelRunner:
             out = sample_on_device(logits, st, use_triton=self.use_triton,
                                    bitmask=None if bitmask is None else bitmask[:, 0], counts=counts)[:, None]
             logits = logits[:, None]
-            nacc = torch.zeros_like(slot)
+            nacc = real_drafts = torch.zeros_like(slot)
         else:
             cols = torch.arange(width + 1, device=self.device)
             index = (last - num_drafts)[:, None] + torch.minimum(cols[None, :], num_drafts[:, None])
@@ -307,6 +307,7 @@ class ModelRunner:
             logits = self.model.logits(hidden[index.clamp(min=0)])
             out, nacc = verify(logits, draft_ids, st, probs, use_triton=self.use_triton, bitmask=bitmask,
                                counts=counts)
+            real_drafts = drafted_counts(draft_ids)  # -1 padding is verified (never accepted), not counted
         # Confirmed tokens land right after each row's last verified input; rows that do not
         # sample write into the spare last column, which nothing reads.
         samples = extra[:, SAMPLES] > 0
@@ -325,7 +326,7 @@ class ModelRunner:
                 if shape.propose_width:  # no drafts: -1 where they would have gone
                     drafts = torch.full((len(slot), shape.propose_width), -1, dtype=torch.int64, device=self.device)
                     self.pool.write(slot, torch.where(samples, seq_lens, self.pool.width - 1), drafts)
-        packed = torch.cat([out, nacc[:, None].to(out.dtype)], dim=1)
+        packed = torch.cat([out, real_drafts[:, None].to(out.dtype), nacc[:, None].to(out.dtype)], dim=1)
         logprobs = logprob_ids = None
         if logprob_rows is not None and shape.logprobs >= 0:
             # Position j of a verifying row holds the target's logits for its output token j, the
@@ -422,7 +423,7 @@ class ModelRunner:
         for r in rows:
             self.pool.completed(r.slot, r.generation, frame.step_id)
         n = len(rows)
-        k1 = out.packed.shape[1] - 1  # a padded step verifies its bucket's width: more columns than shape's
+        k1 = out.packed.shape[1] - 2  # a padded step verifies its bucket's width: more columns than shape's
         # Drafts proposed inside the step count for the next one unless the step was K=0 (a
         # speculator that cannot skip drafting proposed all the same: its drafts are dropped).
         drafted = out.drafts is not None and not frame.skip_drafts
@@ -459,10 +460,10 @@ class ModelRunner:
                 if r.sampling is None:
                     result_rows.append(RowResult(r.key, r.generation, [], r.num_drafts, 0))
                     continue
-                row = RowResult(r.key, r.generation, [t for t in v[:k1] if t >= 0], r.num_drafts, v[k1],
-                                num_next_drafts=0 if host_drafts else next_k)
+                row = RowResult(r.key, r.generation, [t for t in v[:k1] if t >= 0], r.num_drafts, v[k1 + 1],
+                                num_next_drafts=0 if host_drafts else next_k, num_drafted=v[k1])
                 if host_drafts:
-                    drafted_ids = v[k1 + 1 :]
+                    drafted_ids = v[k1 + 2 :]
                     cut = next((m for m, tok in enumerate(drafted_ids) if tok < 0), len(drafted_ids))
                     row = msgspec.structs.replace(row, next_draft_ids=drafted_ids[:cut])
                 if i in row_logprobs:

@@ -40,7 +40,8 @@ class DeviceOutputs:
     """What the device part of a step leaves behind (graph-static when replayed)."""
 
     packed: torch.Tensor
-    """[R, W + 2]: W + 1 output tokens (-1 padded), then the accepted count (W: the padded verify_width)."""
+    """[R, W + 3]: W + 1 output tokens (-1 padded), the real drafts verified (`verify.drafted_counts`),
+    then the accepted count (W: the padded verify_width)."""
     hidden: torch.Tensor
     captured: dict[int, torch.Tensor]
     drafts: torch.Tensor | None = None

@@ -120,6 +120,14 @@ def accept(draft_ids: torch.Tensor, p_x: torch.Tensor, q_x: torch.Tensor, u: tor
     return (accept_triton if use_triton else accept_torch)(draft_ids, p_x, q_x, u, final)
 
 
+def drafted_counts(draft_ids: torch.Tensor) -> torch.Tensor:
+    """[R, K] draft ids -> [R] the drafts each row really has: those before its first -1. A
+    variable-width drafter pads its short rows with -1 where drafts stay on the device; the host
+    path trims them at the same place. The acceptance counters count these, not the K slots a
+    row verified, so an acceptance rate means one thing on every path. Graph-capturable."""
+    return (draft_ids >= 0).long().cumprod(dim=1).sum(dim=1)
+
+
 def verify(
     logits: torch.Tensor,
     draft_ids: torch.Tensor,

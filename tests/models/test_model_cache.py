@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from speckernel.errors import InvalidInputError, ModelFetchError
 from speckernel.models import builtin, gguf, loader
@@ -173,7 +174,7 @@ def test_interrupted_conversion_leaves_no_temp_folder(tmp_path: Path) -> None:
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 130
-    assert not list(converted.iterdir())
+    assert [p.name for p in converted.iterdir()] == [f".{gguf.converted_folder(source).name}.lock"]  # an flock file
 
 
 # --- converted GGUF cache -------------------------------------------------------------------
@@ -181,15 +182,19 @@ def test_interrupted_conversion_leaves_no_temp_folder(tmp_path: Path) -> None:
 
 @pytest.fixture
 def conversions(cache: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
-    """write_conversion writes two small files and records each call (no real GGUF needed)."""
+    """write_conversion and write_weights write small files and record each call (no real GGUF
+    needed)."""
     calls: list[Path] = []
 
     def fake(path: Path, out: Path) -> None:
         calls.append(path)
+        (out / gguf.MODEL_CONFIG).write_bytes(b" " * 1000)
+
+    def fake_weights(path: Path, meta: Path, dtype: object, out: Path) -> None:
         (out / gguf.WEIGHTS).write_bytes(b"w" * 1000)
-        (out / gguf.MODEL_CONFIG).write_bytes(b"{}")
 
     monkeypatch.setattr(gguf, "write_conversion", fake)
+    monkeypatch.setattr(gguf, "write_weights", fake_weights)
     return calls
 
 
@@ -199,10 +204,10 @@ def test_converted_cache_is_reused_and_a_truncated_one_converted_again(
     source.write_bytes(b"gguf")
     folder = gguf.converted(source)
     assert gguf.converted(source) == folder and len(conversions) == 1
-    weights = folder / gguf.WEIGHTS
-    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    config = folder / gguf.MODEL_CONFIG
+    config.write_bytes(config.read_bytes()[:100])  # truncated
     assert gguf.converted(source) == folder and len(conversions) == 2
-    assert (folder / gguf.WEIGHTS).stat().st_size == 1000
+    assert (folder / gguf.MODEL_CONFIG).stat().st_size == 1000
     err = capsys.readouterr().err
     assert str(folder) in err and "converting" in err
     os.utime(source, ns=(time.time_ns(), time.time_ns() + 10**9))  # the source changed: a new conversion
@@ -215,7 +220,7 @@ def test_unreadable_converted_weights_name_the_folder_and_remove_it(
         tmp_path: Path, conversions: list[Path]) -> None:
     source = tmp_path / "user.gguf"
     source.write_bytes(b"gguf")
-    folder = gguf.converted(source)  # sizes match the manifest, the bytes are no safetensors
+    folder = gguf.converted_weights(source, torch.float32).folder  # sizes match, the bytes are no safetensors
     with pytest.raises(InvalidInputError, match=r"converted cache .* is damaged") as info:
         loader.load_state(source)
     assert str(folder) in str(info.value)
