@@ -16,6 +16,7 @@ import signal
 import stat
 import sys
 import termios
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ HELP = """commands:
   /clear          forget the conversation (the system prompt stays)
   /system [TEXT]  show the system prompt, or set it (the conversation starts again)
   /stats          tokens, tokens/s and draft acceptance of the last reply and of the whole chat
+                  (a reply stopped with Ctrl-C counts, as far as it went)
   /history        the conversation so far
   /help           this list
 Ctrl-C stops a reply; Ctrl-C at the prompt, Ctrl-D or an empty line ends the chat."""
@@ -107,30 +109,56 @@ def quiet_keys(fd: int) -> Iterator[None]:
         termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
+@dataclass(frozen=True)
+class Reply:
+    """What /stats counts of one reply, finished or stopped with Ctrl-C."""
+
+    tokens: int
+    decode_s: float
+    """From its first token to its last."""
+    drafted: int = 0
+    accepted: int = 0
+    stopped: bool = False
+
+    @classmethod
+    def of(cls, out: RequestOutput | None, last_token_at: float | None) -> Reply:
+        """The reply whose last output was `out` (None: stopped before its first token). A stopped
+        reply has no finish time and no speculation counters (the core sends those with the final
+        output alone), so its decode time runs to when its last token arrived."""
+        if out is None:
+            return cls(0, 0.0, stopped=True)
+        t = out.timing
+        end = last_token_at if out.finish_reason is None else (t.finished if t is not None else None)
+        start = t.first_token if t is not None else None
+        spec = out.stats or {}
+        return cls(len(out.token_ids), 0.0 if start is None or end is None else max(0.0, end - start),
+                   int(spec.get("num_draft_tokens", 0)), int(spec.get("num_accepted_tokens", 0)),
+                   stopped=out.finish_reason is None)
+
+
 @dataclass
 class Tally:
-    """Tokens, time and drafts of the replies so far."""
+    """Tokens, time and drafts of the replies so far, stopped ones included."""
 
     replies: int = 0
+    stopped: int = 0
     tokens: int = 0
+    timed_tokens: int = 0
+    """Tokens after each reply's first: those its decode time covers."""
     decode_s: float = 0.0
     drafted: int = 0
     accepted: int = 0
-    last: RequestOutput | None = field(default=None, repr=False)
+    last: Reply | None = field(default=None, repr=False)
 
-    def add(self, out: RequestOutput) -> None:
-        self.last = out
+    def add(self, reply: Reply) -> None:
+        self.last = reply
         self.replies += 1
-        self.tokens += len(out.token_ids)
-        self.decode_s += decode_seconds(out)
-        spec = out.stats or {}
-        self.drafted += int(spec.get("num_draft_tokens", 0))
-        self.accepted += int(spec.get("num_accepted_tokens", 0))
-
-
-def decode_seconds(out: RequestOutput) -> float:
-    t = out.timing
-    return 0.0 if t is None or t.first_token is None or t.finished is None else t.finished - t.first_token
+        self.stopped += reply.stopped
+        self.tokens += reply.tokens
+        self.timed_tokens += max(0, reply.tokens - 1)
+        self.decode_s += reply.decode_s
+        self.drafted += reply.drafted
+        self.accepted += reply.accepted
 
 
 def rate(tokens: int, seconds: float) -> str:
@@ -142,15 +170,14 @@ def acceptance(drafted: int, accepted: int) -> str:
 
 
 def stats_lines(tally: Tally) -> list[str]:
-    if tally.last is None:
-        return ["no reply yet"]
     last = tally.last
-    spec = last.stats or {}
+    if last is None:
+        return ["no reply yet"]
     return [
-        f"last reply: {len(last.token_ids)} tokens, {rate(len(last.token_ids) - 1, decode_seconds(last))}"
-        + acceptance(int(spec.get("num_draft_tokens", 0)), int(spec.get("num_accepted_tokens", 0))),
-        f"this chat: {tally.replies} replies, {tally.tokens} tokens, "
-        f"{rate(tally.tokens - tally.replies, tally.decode_s)}"
+        f"last reply{' (stopped)' if last.stopped else ''}: {last.tokens} tokens, "
+        f"{rate(last.tokens - 1, last.decode_s)}" + acceptance(last.drafted, last.accepted),
+        f"this chat: {tally.replies} replies{f' ({tally.stopped} stopped)' if tally.stopped else ''}, "
+        f"{tally.tokens} tokens, {rate(tally.timed_tokens, tally.decode_s)}"
         + acceptance(tally.drafted, tally.accepted),
     ]
 
@@ -214,9 +241,11 @@ class Chat:
         if dropped:
             note(f"dropped the {dropped} oldest message(s) to fit the {self.engine.info.max_model_len}-token context")
         out: RequestOutput | None = None
+        last_token_at: float | None = None
         try:
             with quiet_keys(sys.stdin.fileno()), anyio.CancelScope() as self.streaming:
                 async for out in self.engine.chat(self.messages, self.params):
+                    last_token_at = time.monotonic()
                     sys.stdout.write(out.delta_text)
                     sys.stdout.flush()
         except PromptTooLongError as e:
@@ -229,8 +258,7 @@ class Chat:
         if out is None or out.finish_reason is None:
             note("reply stopped")
         self.messages.append({"role": "assistant", "content": out.text if out is not None else ""})
-        if out is not None and out.finish_reason is not None:
-            self.tally.add(out)
+        self.tally.add(Reply.of(out, last_token_at))
 
     async def converse(self, lines: PipeLines | TerminalLines) -> int:
         """Reads and answers until the chat ends; the exit code."""

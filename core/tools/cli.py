@@ -23,7 +23,7 @@ import msgspec
 
 from .. import log
 from ..engine.check import check
-from ..errors import InvalidInputError, PromptTooLongError, SpeckernelError
+from ..errors import InvalidInputError, InvalidSamplingParamsError, PromptTooLongError, SpeckernelError
 from ..frontend.async_engine import AsyncEngine
 from ..models.builtin import BUILTIN_MODELS, DEFAULT_MODEL, cached
 from ..models.checkpoint import load_tokenizer, read_config, resolve
@@ -41,6 +41,7 @@ from .engine_args import (
     params_from,
     sampling_args,
     structured_args,
+    structured_error,
     utf8,
 )
 from .serve.command import add_arguments as add_serve_arguments
@@ -150,10 +151,13 @@ async def cmd_generate(args: argparse.Namespace) -> int:
         else:
             stream = engine.chat([{"role": "user", "content": args.prompt_text}], args.params)
         out = None
-        async for out in stream:
-            if not args.json:
-                sys.stdout.write(out.delta_text)
-                sys.stdout.flush()
+        try:
+            async for out in stream:
+                if not args.json:
+                    sys.stdout.write(out.delta_text)
+                    sys.stdout.flush()
+        except InvalidSamplingParamsError as e:  # a constraint the core's compiler refused (with a tokenizer)
+            raise structured_error(args, e) from None
         assert out is not None
         stats = await engine.stats()
     if not args.json:

@@ -5,12 +5,14 @@ by their flags through `flag`)."""
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 from ..config import CONTEXT_CAP, DTYPE_NAMES, EngineConfig
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, InvalidSamplingParamsError
 from ..sampling_params import SamplingParams, StructuredOutput
 
 EXIT_BAD_INPUT = 2
@@ -122,20 +124,69 @@ STRUCTURED_FLAGS = {"json_schema": "--json-schema", "json_object": "--json-objec
 
 
 def structured_from(args: argparse.Namespace) -> StructuredOutput | None:
+    """The constraint the flags give, compiled once here (no tokenizer needed) so that a bad one
+    fails in one line that names its flag, before the model loads."""
     given = [flag for dest, flag in STRUCTURED_FLAGS.items() if getattr(args, dest, None) not in (None, False, [])]
     if len(given) > 1:
         raise InvalidInputError(f"{' and '.join(given)}: give one structured-output constraint at most")
     if getattr(args, "json_schema", None) is not None:
-        return StructuredOutput(json_schema=read_text(args.json_schema, "--json-schema"))
-    if getattr(args, "grammar", None) is not None:
-        return StructuredOutput(grammar=read_text(args.grammar, "--grammar"))
-    if getattr(args, "json_object", False):
-        return StructuredOutput(json_object=True)
-    if getattr(args, "regex", None) is not None:
-        return StructuredOutput(regex=args.regex)
-    if getattr(args, "choice", None):
-        return StructuredOutput(choice=tuple(args.choice))
-    return None
+        schema = read_text(args.json_schema, "--json-schema")
+        try:
+            json.loads(schema)
+        except ValueError as e:
+            raise InvalidInputError(f"--json-schema {args.json_schema}: not valid JSON ({e})") from None
+        structured = StructuredOutput(json_schema=schema)
+    elif getattr(args, "grammar", None) is not None:
+        structured = StructuredOutput(grammar=read_text(args.grammar, "--grammar"))
+    elif getattr(args, "json_object", False):
+        structured = StructuredOutput(json_object=True)
+    elif getattr(args, "regex", None) is not None:
+        structured = StructuredOutput(regex=args.regex)
+    elif getattr(args, "choice", None):
+        structured = StructuredOutput(choice=tuple(args.choice))
+    else:
+        return None
+    try:
+        return structured.check()
+    except InvalidSamplingParamsError as e:
+        raise structured_error(args, e) from None
+
+
+STRUCTURED_WHAT = {"json_schema": "invalid JSON schema", "regex": "invalid regular expression",
+                   "grammar": "invalid grammar"}
+"""What a constraint that does not compile is called, by kind."""
+WHERE = re.compile(r"(?:at )?(\d+)\((\d+)\): ")
+"""llguidance's position in a grammar's text: "at LINE(COLUMN): "."""
+REGEX_INDENT = "    "
+"""The regex crate's indent of the pattern and the carets under it, in its parse errors."""
+
+
+def structured_error(args: argparse.Namespace, error: InvalidSamplingParamsError) -> InvalidInputError:
+    """A constraint the compiler refused, said in one line that names the flag (and file): the
+    compiler's message spans lines (the source again, carets under the fault), which the rest of
+    the command line's errors never do. For the frontend's check and for a refusal by the core."""
+    kind, _, message = str(error).partition(": ")
+    kind = kind.removeprefix("structured.")
+    if kind not in STRUCTURED_FLAGS:  # not a compiler message about a constraint: said as it came
+        return InvalidInputError(" ".join(str(error).split()))
+    name = STRUCTURED_FLAGS[kind]
+    if kind in ("json_schema", "grammar"):
+        name += f" {getattr(args, kind)}"
+    lines = message.strip().splitlines() or [""]
+    reasons = [line.removeprefix("error: ").strip() for line in lines[1:] if line.startswith("error: ")]
+    if kind == "regex" and reasons:
+        pattern = getattr(args, "regex", None) or ""
+        at = ""
+        if len(lines) > 2 and lines[1] == REGEX_INDENT + pattern and "^" in lines[2]:
+            at = f" (at character {lines[2].index('^') - len(REGEX_INDENT) + 1})"
+        return InvalidInputError(f"{name}: {STRUCTURED_WHAT[kind]} {pattern!r}: {'; '.join(reasons)}{at}")
+    head = lines[0]
+    where = WHERE.match(head)
+    if where is not None:  # a place in the grammar a --regex or a schema was turned into says nothing
+        head = head[where.end():] if kind != "grammar" else f"line {where[1]}, column {where[2]}: {head[where.end():]}"
+    head = head.replace(" (in regex)", "").removesuffix(" regex parse error:").rstrip(": ")
+    what = STRUCTURED_WHAT.get(kind)
+    return InvalidInputError(": ".join(part for part in (name, what, head, *reasons) if part))
 
 
 def read_text(path: Path, what: str) -> str:

@@ -58,7 +58,8 @@ def test_a_terminal_chat_edits_stops_a_reply_and_keeps_the_conversation(chat: pe
     chat.expect("user: Tell me a long story")
     chat.expect("assistant: ")
     say(chat, "/stats")
-    chat.expect("no reply yet")  # a stopped reply is not counted as a finished one
+    chat.expect(r"last reply \(stopped\): [1-9]\d* tokens, ")  # a stopped reply counts, as far as it went
+    chat.expect(r"this chat: 1 replies \(1 stopped\), [1-9]\d* tokens")
     assert chat.isalive()
     say(chat, "/clear")
     chat.expect("the conversation is cleared")
