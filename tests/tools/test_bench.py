@@ -17,6 +17,7 @@ from speckernel.errors import UnknownModelError
 from speckernel.models.checkpoint import read_config, resolve
 from speckernel.models.loader import load_model
 from speckernel.tools import cli
+from speckernel.tools.bench.repeats import SPREAD_WARNING, median_run, spread_cell, spread_note, warn_if_noisy
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 HEADER_KEYS = {"scenario", "command", "host", "versions", "platform", "dtype", "device"}
@@ -137,9 +138,68 @@ def test_kernels_times_each_kernel_and_sweeps_tiles(tmp_path: Path, monkeypatch:
     assert len(rows) >= 8
 
 
+SCALE_TINY = ["--platform", "cpu", "--model", "random:tiny", "--compare", "random:tiny", "--layers", "1",
+              "--prompt-len", "8", "--warmup-steps", "1", "--steps", "2", "--copy-mib", "8", "--copy-repeats", "2"]
+
+
+def test_without_matplotlib_no_plot_is_written_or_claimed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    bench("scale", SCALE_TINY, tmp_path, monkeypatch)
+    err = capsys.readouterr().err
+    assert not (tmp_path / "scale.png").exists()
+    wrote = [line for line in err.splitlines() if line.startswith("bench: wrote ")]
+    assert wrote == [f"bench: wrote {tmp_path / 'scale.json'}, {tmp_path / 'scale.md'}"]
+    assert "no plot: matplotlib is not installed" in err
+
+
+def test_the_files_the_command_names_are_the_files_it_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    bench("scale", SCALE_TINY, tmp_path, monkeypatch)
+    wrote = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("bench: wrote "))
+    named = {Path(p) for p in wrote.removeprefix("bench: wrote ").split(", ")}
+    assert named == set(tmp_path.iterdir())
+
+
+def test_repeats_keep_the_median_run_and_its_spread(capsys: pytest.CaptureFixture[str]) -> None:
+    runs = [{"tokens_per_s": v, "tpot_p50_ms": 1000 / v} for v in (30.0, 10.0, 12.0)]
+    r = median_run(runs)
+    assert r["tokens_per_s"] == 12.0 and r["tpot_p50_ms"] == 1000 / 12.0  # every figure from the one median run
+    assert r["repeats"] == {"n": 3, "key": "tokens_per_s", "values": [30.0, 10.0, 12.0], "median": 12.0,
+                            "min": 10.0, "max": 30.0, "spread": pytest.approx(20.0 / 12.0)}
+    assert median_run(runs[1:])["tokens_per_s"] == 10.0  # even count: the lower median, a real run
+    assert spread_cell(r) == "10.0-30.0 (167%)" and spread_cell(median_run(runs[:1])) == "\N{EN DASH}"
+    warn_if_noisy(r, "none c=1")
+    assert "none c=1: tokens_per_s spread 167% of the median over 3 runs" in capsys.readouterr().err
+    warn_if_noisy(median_run([{"tokens_per_s": 100.0}, {"tokens_per_s": 100.0 * (1 + SPREAD_WARNING / 2)}]), "x")
+    assert capsys.readouterr().err == ""
+
+
+def test_the_spread_sentence_is_made_from_the_figures() -> None:
+    quiet = median_run([{"tokens_per_s": 100.0, "c": 1}, {"tokens_per_s": 104.0, "c": 1}])
+    wide = median_run([{"tokens_per_s": 100.0, "c": 4}, {"tokens_per_s": 150.0, "c": 4}])
+    assert spread_note([quiet], lambda r: f"c={r['c']}")[-1] == (
+        "Each row is the median of 2 runs; the largest spread (max - min over the median) is 4%, within 10%.")
+    note = spread_note([quiet, wide], lambda r: f"c={r['c']}")[-1]
+    assert "c=4 50%" in note and "c=1" not in note
+    assert "no spread" in spread_note([median_run([{"tokens_per_s": 1.0}])], str)[-1]
+
+
+@pytest.mark.parametrize(("load", "says"), [(0.3, "under half the CPUs busy"), (1.5, "other work held half")])
+def test_the_startup_sentence_on_host_load_follows_the_load(load: float, says: str) -> None:
+    from speckernel.tools.bench.startup import markdown  # beside the scenario's other tests
+
+    phases = {"python_s": 0.1, "import_s": 1.0, "load_s": 2.0, "first_token_s": 0.5, "total_s": 3.6}
+    report = {"command": "speckernel bench startup", "host": "x86_64 Linux", "versions": {}, "model": "m",
+              "repeats": 3, "cpu_count": 2, "load_average": {"before": load, "after": 2.5},
+              "modes": {"process": {"median": phases, "min_total_s": 3.5, "max_total_s": 3.7, "median_cpu_s": 4.0}}}
+    text = "\n".join(markdown(report))
+    assert says in text and "slows every phase" not in text
+
+
 @pytest.mark.slow
 def test_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    report, rows = bench("decode", ["--platform", "cpu", "--max-tokens", "4", "--num-prompts", "2",
+    report, rows = bench("decode", ["--platform", "cpu", "--max-tokens", "4", "--num-prompts", "2", "--repeats", "2",
                                     "--concurrency", "1,2", "--speculator", "ngram", "--no-hf"], tmp_path, monkeypatch)
     assert set(report) >= HEADER_KEYS | {"runs", "peers", "modes", "concurrency"}
     assert report["peers"] == {} and report["modes"] == ["inprocess"]
@@ -153,13 +213,18 @@ def test_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert r["identical_to_none"] == r["num_requests"]  # greedy float32: speculation changes no token
         assert r["spec"]["num_k0_steps"] >= 0 and r["generated_tokens"] == 4 * r["num_requests"]
         assert r["longest_stall_ms"] >= 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"]
+        rep = r["repeats"]  # two runs on the same engine; the row is the lower-median one's
+        assert rep["n"] == 2 and len(rep["values"]) == 2 and r["tokens_per_s"] == rep["median"] == min(rep["values"])
+        assert rep["spread"] == pytest.approx((max(rep["values"]) - min(rep["values"])) / rep["median"])
     assert runs[2]["spec"]["mean_acceptance_length"] >= 1.0 and runs[0]["spec"]["mean_acceptance_length"] is None
     assert [row.split(" | ")[1:3] for row in rows] == [["none", "1"], ["none", "2"], ["ngram", "1"], ["ngram", "2"]]
+    text = (tmp_path / "decode.md").read_text()  # the prose says what the table shows
+    assert "Requests per run, by concurrency: 1: 2, 2: 8." in text and "median tokens/s of 2" in text
 
 
 @pytest.mark.slow
 def test_hostsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    report, rows = bench("hostsync", ["--platform", "cpu", "--max-tokens", "4", "--num-prompts", "2",
+    report, rows = bench("hostsync", ["--platform", "cpu", "--max-tokens", "4", "--num-prompts", "2", "--repeats", "1",
                                       "--concurrency", "1", "--speculator-option", "num_layers=1"],
                          tmp_path, monkeypatch)
     assert set(report) >= HEADER_KEYS | {"speculator", "runs"}
@@ -175,7 +240,7 @@ def test_hostsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.slow
 def test_prefill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     report, rows = bench("prefill", ["--platform", "cpu", "--prompt-tokens", "48", "--num-prompts", "2",
-                                     "--concurrency", "1"], tmp_path, monkeypatch)
+                                     "--concurrency", "1", "--repeats", "1"], tmp_path, monkeypatch)
     runs = {(r["speculator"], r["skip_drafts"]): r for r in report["runs"]}
     assert list(runs) == [("none", None), ("ngram", True), ("ngram", False)]
     for r in runs.values():

@@ -70,6 +70,23 @@ def speculator_flags(p: argparse.ArgumentParser, default_help: str) -> None:
                    help="always draft (no governor)")
 
 
+def repeats_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--repeats", type=positive_int, default=3, metavar="N",
+                   help="runs of each configuration on its engine; the table shows the median run and the "
+                        "min-max spread (default: 3: one run on a shared or CPU host can be off by 10%% or more)")
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def int_list(text: str) -> list[int]:
     """`1,4,16` → [1, 4, 16] (argparse type)."""
     try:
@@ -119,6 +136,7 @@ def decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", type=mode_list, default=None,
                    help="engine-core placements to measure, e.g. inprocess,process (default: inprocess, "
                         "or process with --process)")
+    repeats_flag(p)
     engine_flags(p)
 
 
@@ -132,6 +150,7 @@ def hostsync_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=10,
                    help="prompts at batch 1; concurrency C runs max(C, this) prompts")
     p.add_argument("--concurrency", type=int_list, default=[1, 16], help="comma-separated (default: 1,16)")
+    repeats_flag(p)
     engine_flags(p)
 
 
@@ -166,6 +185,7 @@ def prefill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=1200, help="tokens per prompt")
     p.add_argument("--num-prompts", type=int, default=16, help="prompts per run")
     p.add_argument("--concurrency", type=int_list, default=[1, 16], help="comma-separated (default: 1,16)")
+    repeats_flag(p)
     engine_flags(p)
 
 

@@ -1,6 +1,6 @@
 """`speckernel bench SCENARIO`: measurements side by side in one run, written as
 `<out>/<scenario>.json` (with the command line, host, platform, dtype and library versions), a
-markdown table `<out>/<scenario>.md` and a plot `<out>/<scenario>.png`.
+markdown table `<out>/<scenario>.md` and, where matplotlib is installed, a plot `<out>/<scenario>.png`.
 
 Each scenario is one module, `bench_<scenario>.py`, with `run(args)` (a coroutine where it
 drives AsyncEngine) returning the report, `markdown(report)` returning the table's lines and
@@ -157,18 +157,22 @@ def concurrency_axis(ax: Any, concurrencies: list[int], xlabel: str, ylabel: str
     ax.legend(fontsize="small")
 
 
-def write_report(name: str, report: dict[str, Any], lines: list[str], plot: Any, out: Path) -> None:
+def write_report(name: str, report: dict[str, Any], lines: list[str], plot: Any, out: Path) -> list[Path]:
+    """Writes the JSON, the markdown and, where matplotlib imports, the plot; returns the files it
+    wrote, so that what the command says it wrote is what is there."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    written = [out / f"{name}.json", out / f"{name}.md"]
+    written[0].write_text(json.dumps(report, indent=2) + "\n")
+    written[1].write_text("\n".join(lines) + "\n")
     plt = pyplot()
     if plt is None:
-        print("bench: matplotlib not installed, no plot (pip install 'speckernel[bench]')", file=sys.stderr)
-        return
+        print("bench: no plot: matplotlib is not installed (pip install 'speckernel[bench]')", file=sys.stderr)
+        return written
     fig = plot(report, plt)
     fig.tight_layout()
     fig.savefig(out / f"{name}.png", dpi=120)
     plt.close(fig)
+    return [*written, out / f"{name}.png"]
 
 
 def out_folder(args: argparse.Namespace) -> Path:
@@ -182,7 +186,7 @@ def main(args: argparse.Namespace) -> int:
     out = out_folder(args)  # fixed before the run: its name says when it started
     module = scenario_module(args.scenario)
     report = anyio.run(module.run, args) if inspect.iscoroutinefunction(module.run) else module.run(args)
-    write_report(args.scenario, report, module.markdown(report), module.plot, out)
+    written = write_report(args.scenario, report, module.markdown(report), module.plot, out)
     print((out / f"{args.scenario}.md").read_text())
-    print(f"bench: wrote {out}/{args.scenario}.json, .md and .png", file=sys.stderr)
+    print(f"bench: wrote {', '.join(str(path) for path in written)}", file=sys.stderr)
     return 0

@@ -1,6 +1,7 @@
 """decode: decode speed on HumanEval chat prompts, greedy, without speculation and with each
 speculator, at batch 1 (concurrency 1: one request after another over --num-prompts prompts)
-and at each concurrency C (C streams at once over max(C, --num-prompts) prompts). Per run:
+and at each concurrency C (C streams at once over max(4 x C, --num-prompts) prompts), each
+--repeats times on its engine (the table shows the median run by tokens/s and the spread). Per run:
 tokens/s, time per output token (per request: (last token - first token) / (n - 1)) at p50 and
 p99, time to first token p50, mean acceptance length, target steps/s and the ratio to no
 speculation, time to first token p99 and the longest stall (the longest gap between two streamed
@@ -38,7 +39,8 @@ from .command import (
     ratio,
     with_speculator,
 )
-from .streams import chat_prompts, identical, run_streams, warm_up
+from .repeats import spread_cell, spread_note
+from .streams import chat_prompts, identical, repeated_streams, warm_up
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -46,8 +48,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     speculators = args.speculator or ["ngram"]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     sizes = {c: args.num_prompts if c == 1 else max(4 * c, args.num_prompts) for c in args.concurrency}
-    print(f"bench decode: {len(modes) * (1 + len(speculators))} engines x concurrency {args.concurrency}: "
-          f"{len(modes) * (1 + len(speculators)) * sum(sizes.values())} requests of up to {args.max_tokens} tokens"
+    print(f"bench decode: {len(modes) * (1 + len(speculators))} engines x concurrency {args.concurrency} x "
+          f"{args.repeats} repeats: {len(modes) * (1 + len(speculators)) * sum(sizes.values()) * args.repeats} "
+          f"requests of up to {args.max_tokens} tokens"
           + ("" if args.no_hf else f"; HF peers: {len(bench_hf.PEERS)} x {args.num_prompts} requests"),
           file=sys.stderr)
     prompts: list[list[int]] = []
@@ -67,7 +70,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     eos_ids, info = engine.tokenizer.eos_token_ids, engine.info
                 await warm_up(engine, prompts, params, tuple(sizes))
                 for c, n in sizes.items():
-                    r = await run_streams(engine, prompts[:n], params, c, f"{mode} {label} c={c}")
+                    r = await repeated_streams(engine, prompts[:n], params, c, f"{mode} {label} c={c}", args.repeats)
                     runs.append({"mode": mode, "speculator": label, "engine_start_s": start_s} | r)
     peers: dict[str, dict[str, Any]] = {}
     if not args.no_hf and not bench_hf.available():
@@ -93,6 +96,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "num_prompts": args.num_prompts,
         "concurrency": args.concurrency,
+        "repeats": args.repeats,
         "num_speculative_tokens": args.num_speculative_tokens,
         "modes": modes,
         "runs": runs,
@@ -129,32 +133,36 @@ def compare(runs: list[dict[str, Any]], peers: dict[str, dict[str, Any]], modes:
 def markdown(report: dict[str, Any]) -> list[str]:
     lines = preamble(report, f"Decode, {report['dataset']}, greedy, max_tokens {report['max_tokens']}, "
                              f"K={report['num_speculative_tokens']}")
+    requests = {r["concurrency"]: r["num_requests"] for r in report["runs"]}
     lines += [
-        f"Concurrency 1 is batch 1: {report['num_prompts']} requests one after another; concurrency C keeps C "
-        f"requests in flight over max(C, {report['num_prompts']}) prompts. TPOT: per request, (last token - "
-        "first token) / (n - 1). Ratios compare tokens/s.",
+        "Concurrency 1 is batch 1: requests one after another; concurrency C keeps C requests in flight. Requests "
+        "per run, by concurrency: " + ", ".join(f"{c}: {n}" for c, n in requests.items()) + ". TPOT: per request, "
+        "(last token - first token) / (n - 1). Ratios compare tokens/s. Each row is the run with the median "
+        f"tokens/s of {report.get('repeats', 1)} on the same engine (every figure of the row is that run's); "
+        "min-max: the tokens/s of all of them, and their spread over the median.",
         "",
     ]
     peer_names = list(report["peers"]) or list(bench_hf.PEERS)
     vllm_names = [n for n, p in report.get("vllm", {}).items() if p.get("runs")]
     lines += [
-        "| mode | speculator | concurrency | requests | tokens | tokens/s | TPOT p50 ms | TPOT p99 ms | "
-        "TTFT p50 ms | TTFT p99 ms | longest stall ms | kernel builds after start | mean acceptance length | "
-        "target steps/s | ratio to none | identical to none | ratio to in-process | "
+        "| mode | speculator | concurrency | requests | tokens | tokens/s | tokens/s min-max | TPOT p50 ms | "
+        "TPOT p99 ms | TTFT p50 ms | TTFT p99 ms | longest stall ms | kernel builds after start | "
+        "mean acceptance length | target steps/s | ratio to none | identical to none | ratio to in-process | "
         + " | ".join(f"vs {p}" for p in [*peer_names, *vllm_names]) + " |",
-        "|---" * (17 + len(peer_names) + len(vllm_names)) + "|",
+        "|---" * (18 + len(peer_names) + len(vllm_names)) + "|",
     ]
     for r in report["runs"]:
         vs = [cell(r["ratio_to_peers"].get(p)) for p in peer_names]
         vs += [cell(r.get("ratio_to_vllm", {}).get(p)) for p in vllm_names]
         lines.append(
             f"| {r['mode']} | {r['speculator']} | {r['concurrency']} | {r['num_requests']} | "
-            f"{r['generated_tokens']} | {r['tokens_per_s']:.1f} | {cell(r['tpot_p50_ms'])} | "
+            f"{r['generated_tokens']} | {r['tokens_per_s']:.1f} | {spread_cell(r)} | {cell(r['tpot_p50_ms'])} | "
             f"{cell(r['tpot_p99_ms'])} | {cell(r['ttft_p50_ms'], '.1f')} | {cell(r.get('ttft_p99_ms'), '.1f')} | "
             f"{cell(r.get('longest_stall_ms'), '.1f')} | {r.get('kernel_builds_after_start', MISSING)} | "
             f"{cell(r['spec']['mean_acceptance_length'])} | {r['steps_per_s']:.1f} | {cell(r['ratio_to_none'])} | "
             f"{r['identical_to_none']}/{r['num_requests']} | {cell(r['ratio_to_inprocess'])} | "
             + " | ".join(vs) + " |")
+    lines += spread_note(report["runs"], lambda r: f"{r['mode']} {r['speculator']} c={r['concurrency']}")
     for name, peer in report.get("vllm", {}).items():
         if not peer.get("runs"):
             lines += ["", f"vLLM peer {name}: {peer.get('error', 'no runs')}"]

@@ -3,7 +3,8 @@ copy of its drafts, nor does a variable-width one where steps are planned on the
 drafts are padded there); `EngineConfig.force_host_drafts` makes the engine copy them after every
 drafting step anyway, as a variable-width speculator must on the CPU. Both settings run the same greedy
 HumanEval requests at batch 1 and at a concurrency: target steps/s, tokens/s, host draft copies,
-and the ratio of keeping the drafts on the device to copying them.
+and the ratio of keeping the drafts on the device to copying them; each --repeats times (the
+median run by tokens/s, with the spread).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from ...errors import InvalidInputError
 from ...frontend.async_engine import AsyncEngine
 from ...sampling_params import SamplingParams
 from .command import base_config, cell, device_name, header, preamble, ratio, with_speculator
-from .streams import chat_prompts, identical, run_streams, warm_up
+from .repeats import spread_cell, spread_note
+from .streams import chat_prompts, identical, repeated_streams, warm_up
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -49,7 +51,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 info = engine.info
             await warm_up(engine, prompts, params, tuple(sizes))
             for c, n in sizes.items():
-                r = await run_streams(engine, prompts[:n], params, c, f"force_host_drafts={force} c={c}")
+                r = await repeated_streams(engine, prompts[:n], params, c, f"force_host_drafts={force} c={c}",
+                                           args.repeats)
                 runs.append({"force_host_drafts": force, "engine_start_s": start_s} | r)
     by_key = {(r["force_host_drafts"], r["concurrency"]): r for r in runs}
     for r in runs:
@@ -69,6 +72,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_speculative_tokens": args.num_speculative_tokens,
         "max_tokens": args.max_tokens,
         "num_prompts": args.num_prompts,
+        "repeats": args.repeats,
         "runs": runs,
     }
 
@@ -82,17 +86,19 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "Ratio: tokens/s over the same concurrency with force_host_drafts (a copy of the draft IDs to the host "
         "after every drafting step).",
         "",
-        "| force_host_drafts | concurrency | requests | tokens | tokens/s | target steps/s | host draft copies | "
-        "mean acceptance length | TPOT p50 ms | ratio | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| force_host_drafts | concurrency | requests | tokens | tokens/s | tokens/s min-max | target steps/s | "
+        "host draft copies | mean acceptance length | TPOT p50 ms | ratio | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
         lines.append(
             f"| {r['force_host_drafts']} | {r['concurrency']} | {r['num_requests']} | {r['generated_tokens']} | "
-            f"{r['tokens_per_s']:.1f} | {r['steps_per_s']:.1f} | {r['spec']['num_host_draft_copies']} | "
+            f"{r['tokens_per_s']:.1f} | {spread_cell(r)} | {r['steps_per_s']:.1f} | "
+            f"{r['spec']['num_host_draft_copies']} | "
             f"{cell(r['spec']['mean_acceptance_length'])} | {cell(r['tpot_p50_ms'])} | "
             f"{cell(r['ratio_to_host_copies'])} | {r['identical_to_host_copies']}/{r['num_requests']} |")
-    return lines
+    return lines + spread_note(report["runs"], lambda r: f"force_host_drafts={r['force_host_drafts']} "
+                                                         f"c={r['concurrency']}")
 
 
 def plot(report: dict[str, Any], plt: Any) -> Any:

@@ -2,7 +2,8 @@
 verified: with skip_drafts the engine runs those steps at K=0 (no drafting); without it the
 speculator drafts for nothing. Prompts are windows of --prompt-tokens tokens over the HumanEval
 prompts' tokens, one after another. Per run: prefill tokens/s (prompt tokens / elapsed), steps,
-K=0 steps, the ratio of skipping to not skipping, and the ratio to no speculation.
+K=0 steps, the ratio of skipping to not skipping, and the ratio to no speculation; each --repeats
+times (the median run by prefill tokens/s, with the spread).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from .command import (
     ratio,
     with_speculator,
 )
-from .streams import run_streams, warm_up
+from .repeats import spread_cell, spread_note
+from .streams import repeated_streams, warm_up
 
 
 def long_prompts(stream: list[int], length: int, n: int) -> list[list[int]]:
@@ -60,7 +62,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 info = engine.info
             await warm_up(engine, prompts, params, tuple(args.concurrency))
             for c in args.concurrency:
-                r = await run_streams(engine, prompts, params, c, f"{name} skip_drafts={skip} c={c}")
+                r = await repeated_streams(engine, prompts, params, c, f"{name} skip_drafts={skip} c={c}",
+                                           args.repeats, key="prefill_tokens_per_s")
                 r.pop("outputs")
                 runs.append({"speculator": name, "skip_drafts": skip, "engine_start_s": start_s} | r)
     by_key = {(r["speculator"], r["skip_drafts"], r["concurrency"]): r for r in runs}
@@ -76,6 +79,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": args.prompt_tokens,
         "num_prompts": args.num_prompts,
         "num_speculative_tokens": args.num_speculative_tokens,
+        "repeats": args.repeats,
         "runs": runs,
     }
 
@@ -84,17 +88,19 @@ def markdown(report: dict[str, Any]) -> list[str]:
     lines = preamble(report, f"Prefill-only requests (max_tokens 1), {report['num_prompts']} prompts of "
                              f"{report['prompt_tokens']} tokens (HumanEval), K={report['num_speculative_tokens']}")
     lines += [
-        "| speculator | skip_drafts | concurrency | prompt tokens | elapsed s | prefill tokens/s | steps | K=0 steps "
-        "| host draft copies | ratio to skip_drafts off | ratio to none |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| speculator | skip_drafts | concurrency | prompt tokens | elapsed s | prefill tokens/s | "
+        "prefill tokens/s min-max | steps | K=0 steps | host draft copies | ratio to skip_drafts off | ratio to none |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
         skip = MISSING if r["skip_drafts"] is None else r["skip_drafts"]
         lines.append(
             f"| {r['speculator']} | {skip} | {r['concurrency']} | {r['prompt_tokens']} | {r['elapsed_s']:.2f} | "
-            f"{r['prefill_tokens_per_s']:.0f} | {r['num_steps']} | {r['spec']['num_k0_steps']} | "
+            f"{r['prefill_tokens_per_s']:.0f} | {spread_cell(r, '.0f')} | {r['num_steps']} | "
+            f"{r['spec']['num_k0_steps']} | "
             f"{r['spec']['num_host_draft_copies']} | {cell(r['ratio_to_no_skip'])} | {cell(r['ratio_to_none'])} |")
-    return lines
+    return lines + spread_note(report["runs"], lambda r: f"{r['speculator']} skip_drafts={r['skip_drafts']} "
+                                                         f"c={r['concurrency']}")
 
 
 def plot(report: dict[str, Any], plt: Any) -> Any:

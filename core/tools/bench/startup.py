@@ -123,8 +123,11 @@ def markdown(report: dict[str, Any]) -> list[str]:
                      f"{m['first_token_s']:.2f} | {m['total_s']:.2f} | "
                      f"{r['min_total_s']:.2f}-{r['max_total_s']:.2f} | {r['median_cpu_s']:.2f} |")
     load = report["load_average"]
+    busy = load["before"] >= 0.5 * (report["cpu_count"] or 1)  # before: this run's own processes not yet in it
     lines += ["", f"Host load average (1 min) {load['before']:.1f} before, {load['after']:.1f} after, on "
-                  f"{report['cpu_count']} CPUs: other work on the host slows every phase.",
+                  f"{report['cpu_count']} CPUs: " + ("other work held half the CPUs or more before the run, so every "
+                                                     "phase may be slower than on an idle host." if busy else
+                                                     "under half the CPUs busy before the run."),
               "", "python: interpreter start; import: speckernel and its dependencies; load: model checked, "
                   "tokenizer, engine core started with its weights; first token: prefill and first sample; "
                   "CPU s: user + system seconds of the process and its engine core, start to exit."]

@@ -16,6 +16,7 @@ from ...progress import Progress
 from ...sampling_params import SamplingParams
 from ..datasets import humaneval_messages
 from .command import ms, percentile
+from .repeats import median_run, warn_if_noisy
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_k0_steps", "num_host_draft_copies")
 
@@ -122,6 +123,17 @@ async def run_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sam
         "outputs": outputs,
         "requests": requests,  # per request, in finishing order: TTFT ms, time in flight ms, tokens
     }
+
+
+async def repeated_streams(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, concurrency: int,
+                           desc: str, repeats: int, key: str = "tokens_per_s") -> dict[str, Any]:
+    """run_streams `repeats` times on the same engine; the median run by `key`, with the spread of
+    all of them (repeats.median_run), and a warning on stderr when they disagree widely."""
+    runs = [await run_streams(engine, prompts, params, concurrency, desc if repeats == 1 else f"{desc} #{i + 1}")
+            for i in range(repeats)]
+    run = median_run(runs, key)
+    warn_if_noisy(run, desc)
+    return run
 
 
 def idle_time(spans: list[tuple[float, float]], start: float, end: float) -> float:
