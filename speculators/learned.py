@@ -5,8 +5,10 @@
   found by name when the target has the shape they were trained for; `--draft-model FOLDER`
   loads any other.
 - A checkpoint is checked before it is served: the shipped ones against the sha256 pinned here
-  (`SHIPPED_SHA256`), any other against the digest its config.json records (`save` writes it),
-  each once in full and then by a size + mtime stamp, as the model's file is; then every
+  (`SHIPPED_SHA256`, whatever their config.json says), any other against the digest its
+  config.json records (`save` writes it; one that records none loads with a warning naming
+  the missing digest), each once in full and then by a size + mtime stamp, as the model's
+  file is; `train-drafter --init` checks the file it starts from the same way. Then every
   tensor for its name, shape, dtype and finite values, and the module's own index tensors for
   their ranges (`DrafterModule.check_state`). A bad file fails the load with one line naming it.
 - Their layers are small Llama decoder blocks (`DecoderBlock`) whose attention is a callable:
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from speckernel.kit import RMSNorm, apply_rope, cache_stamp, cos_sin_table, fused_ops, sha256_of, verified
+from speckernel.kit import RMSNorm, apply_rope, cache_stamp, cos_sin_table, fused_ops, logger, sha256_of, verified
 from speckernel.plugin import (
     InvalidInputError,
     ModelConfig,
@@ -43,6 +45,8 @@ from speckernel.plugin import (
 
 WEIGHTS = Path(__file__).parent / "weights"
 """Shipped checkpoints, one folder per method."""
+
+log = logger("learned")
 
 SHIPPED_SHA256 = {
     "causal_cascade": "c91416ecc9f3a9a59f32d0538cda326712d0fdd2a0e8d61a42c5d581602b3749",
@@ -164,18 +168,43 @@ def load_weights(module: ModuleT, folder: Path, device: torch.device, dtype: tor
     return module.eval().requires_grad_(False)
 
 
+def is_shipped(folder: Path) -> bool:
+    """Whether folder is one of the shipped checkpoints (however it is named: a link, a relative path)."""
+    return folder.resolve() == (WEIGHTS / folder.name).resolve()
+
+
+def expected_sha256(folder: Path, method: str, cfg: DrafterConfig) -> str:
+    """The digest folder's model.safetensors must have: the pinned one for a shipped checkpoint
+    (a config.json without its digest does not turn the check off), else the one its
+    config.json records. None recorded: "" (not checked), with a warning naming what is missing,
+    since damaged weights then load without a word and only drafting worse shows it."""
+    if is_shipped(folder) and method in SHIPPED_SHA256:
+        return SHIPPED_SHA256[method]
+    if not cfg.sha256:
+        log.warning("drafter_weights_unverified", path=str(folder / "model.safetensors"),
+                    reason="config.json records no sha256 digest, so damaged weights would load unnoticed",
+                    fix="write it again with `speckernel train-drafter` (which records the digest)")
+    return cfg.sha256
+
+
+def check_digest(path: Path, sha256: str) -> None:
+    """Refuses (one line naming the file) a model.safetensors without the digest `sha256`
+    ("": nothing to check); a shipped file's stamp goes to the cache, never into the package."""
+    shipped = is_shipped(path.parent)
+    if sha256 and not verified(path, sha256, cache_stamp(path) if shipped else None):
+        fix = "reinstall speckernel" if shipped else "copy or train it again"
+        raise InvalidInputError(f"{path}: corrupt, its sha256 is not the {'shipped' if shipped else 'recorded'} "
+                                f"one ({sha256[:12]}...); {fix}")
+
+
 def check_weights(module: nn.Module, folder: Path, sha256: str = "") -> dict[str, torch.Tensor]:
     """The tensors of folder's model.safetensors, refused (InvalidInputError, one line naming
     the file) when the file does not have the digest `sha256` (when given), does not parse, or a
     tensor is missing, extra, of another shape or kind of dtype than `module` holds, not finite,
     or out of the range its module allows (`DrafterModule.check_state`)."""
     path = folder / "model.safetensors"
-    shipped = folder.resolve() == (WEIGHTS / folder.name).resolve()
     try:
-        if sha256 and not verified(path, sha256, cache_stamp(path) if shipped else None):
-            fix = "reinstall speckernel" if shipped else "copy or train it again"
-            raise InvalidInputError(f"{path}: corrupt, its sha256 is not the {'shipped' if shipped else 'recorded'} "
-                                    f"one ({sha256[:12]}...); {fix}")
+        check_digest(path, sha256)
         state = load_file(str(path), device="cpu")
     except InvalidInputError:
         raise
@@ -434,8 +463,17 @@ class LearnedSpeculator(SpeculatorBase, Generic[OptionsT]):
 
     @classmethod
     def read_checkpoint(cls, folder: Path, target: ModelConfig) -> DrafterConfig:
-        """The architecture `train-drafter --init` starts from, checked like a served checkpoint."""
-        return read_checked(folder, cls.name, target)
+        """The architecture `train-drafter --init` starts from, checked like a served checkpoint
+        (its weights' digest included)."""
+        cfg = read_checked(folder, cls.name, target)
+        check_digest(folder / "model.safetensors", expected_sha256(folder, cls.name, cfg))
+        return cfg
+
+    @classmethod
+    def shipped_checkpoint(cls) -> Path | None:
+        """The checkpoint shipped for the default model (`train-drafter --init METHOD`), if any."""
+        folder = WEIGHTS / cls.name
+        return folder if (folder / "config.json").is_file() else None
 
     @classmethod
     def save(cls, folder: Path, drafter: TrainableDrafter) -> None:
@@ -468,10 +506,8 @@ class LearnedSpeculator(SpeculatorBase, Generic[OptionsT]):
         self.options: OptionsT = ctx.options
         self.cfg = cfg
         self.capabilities = self.capabilities_for(ctx)  # type: ignore[misc]
-        shipped = not ctx.draft_model
         self.module = load_weights(self.Module(cfg, ctx.target, ctx.max_model_len + self.capabilities.max_k + 2),
-                                   folder, ctx.device, ctx.dtype,
-                                   SHIPPED_SHA256.get(self.name, "") if shipped else cfg.sha256)
+                                   folder, ctx.device, ctx.dtype, expected_sha256(folder, self.name, cfg))
         self.device = ctx.device
         self.dtype = ctx.dtype
         self.block_size = ctx.block_size

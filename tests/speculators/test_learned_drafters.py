@@ -393,11 +393,12 @@ def test_data_is_the_targets_answers_through_the_engine(tmp_path) -> None:  # ty
     assert sampled.get(0)[0].tolist() == again.get(0)[0].tolist()  # seeded: the same answer
     # Corpora are concatenated; a small KV budget (several generators on one GPU) and one answer
     # at a time give the same greedy answers; past a time limit, prompts not started are left
-    # out, not waited for.
+    # out, not waited for; with nothing made, no file is written (the next run generates again).
     write_corpus(tmp_path / "more.jsonl", [[{"role": "user", "content": "Say hello in French."}]])
     three = make("three.npz", "--prompts", str(tmp_path / "more.jsonl"), "--kv-cache-gb", "0.2", "--concurrency", "1")
     assert len(three) == 3 and three.tokens[: three.offsets[2]].tolist() == greedy.tokens.tolist()
-    assert len(make("late.npz", "--minutes", "1e-9")) == 0
+    with pytest.raises(FileNotFoundError):
+        make("late.npz", "--minutes", "1e-9")
 
 
 @pytest.mark.slow

@@ -531,6 +531,25 @@ def package_functions(package: str, limit: int = PER_PACKAGE) -> tuple[str, ...]
     return tuple(stubs)
 
 
+SAMPLED_STUBS = 200
+"""A corpus that needs at most this many stubs (and none from packages) takes them from a seeded
+sample of the stdlib's files rather than from all of them: parsing the whole stdlib takes seconds
+(ten on a busy two-core host), a large share of a short run on a CPU."""
+
+
+def sampled_stdlib_functions(n: int, seed: int) -> list[str]:
+    """At least n distinct stubs (all there are, if fewer), chosen like `stdlib_functions`, from
+    the stdlib's files taken in an order shuffled by seed, in that order."""
+    files = list(stdlib_files())
+    random.Random(seed).shuffle(files)
+    stubs: dict[str, None] = {}
+    for path in files:
+        if len(stubs) >= n:
+            break
+        stubs.update(dict.fromkeys(_stubs_in(iter([path]))))
+    return list(stubs)
+
+
 def all_stubs(packages: Sequence[str] = (), per_package: int = PER_PACKAGE) -> list[str]:
     """The stdlib's stubs, then each package's that are new, in the order given."""
     stubs = dict.fromkeys(stdlib_functions())
@@ -602,8 +621,11 @@ def build_corpus(count: int, seed: int = 0, packages: Sequence[str] = (), *,
                  per_package: int = PER_PACKAGE) -> list[Conversation]:
     """`count` one-turn user chats, shuffled, by default about 75% code and 25% general; the same
     for the same seed (interpreter and package versions). Stubs come from the stdlib and from
-    `packages`, each used once before any comes back."""
-    stubs = all_stubs(packages, per_package)
+    `packages`, each used once before any comes back; a small corpus draws its stubs from a
+    seeded sample of the stdlib's files (`SAMPLED_STUBS`)."""
+    wanted = corpus_mix(count, general_share, programming_share, have_stubs=True)["stubs"]
+    stubs = sampled_stdlib_functions(2 * wanted, seed) if not packages and wanted <= SAMPLED_STUBS \
+        else all_stubs(packages, per_package)
     mix = corpus_mix(count, general_share, programming_share, have_stubs=bool(stubs))
     rng = random.Random(seed)
     prompts = (_stub_prompts(stubs, mix["stubs"], rng) if mix["stubs"] else []) + \

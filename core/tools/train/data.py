@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,42 +88,66 @@ class Sequences:
         return cls(tokens, offsets, np.array([len(p) for p, _ in pairs], np.int64))
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C while generating data, with the answers made until then (`data`), so the run can
+    keep them and save a checkpoint before it stops."""
+
+    def __init__(self, data: Sequences) -> None:
+        super().__init__()
+        self.data = data
+
+
+TICK_S = 1.0
+"""How often the generation's progress looks at the clock when no token arrives (an engine
+starting, a long prefill), so its line every LOG_EVERY_S comes even then."""
+
+
 def generate(config: Any, conversations: list[list[dict[str, str]]], max_tokens: int,
              concurrency: int = 256, temperature: float = 0.0, seed: int = 0,
-             seconds: float | None = None) -> Sequences:
+             deadline: float = math.inf) -> Sequences:
     """The target's answer to every conversation, through the engine (any platform): greedy, or
     sampled at `temperature` (more varied text; the labels stay the target's greedy tokens).
-    With `seconds` (counted from when the engine is up), conversations not started by then are
-    left out (answers under way finish), so a time-boxed run keeps what it made."""
-    async def run() -> list[tuple[list[int], list[int]]]:
-        pairs: list[tuple[list[int], list[int]]] = [([], []) for _ in conversations]
-        async with AsyncEngine(config) as engine:
-            deadline = math.inf if seconds is None else time.monotonic() + seconds  # start-up not counted
-            limit = anyio.Semaphore(concurrency)
-            bar = Progress("train-drafter: generating answers", len(conversations), len(conversations) * max_tokens)
+    Everything stops at `deadline` (time.monotonic(), the engine's start-up included):
+    conversations not started are left out, and answers being written are cut there and kept as
+    far as they got (the start of the target's answer is still its answer), so a time-boxed run
+    keeps what it made. On Ctrl-C, raises `Interrupted` holding the same."""
+    pairs: list[tuple[list[int], list[int]]] = [([], []) for _ in conversations]
 
-            async def one(i: int) -> None:
-                params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                        seed=seed + i if temperature else None)
-                async with limit:
-                    if time.monotonic() > deadline:
-                        return
-                    prompt = engine.encode_chat(conversations[i])
-                    prompt = prompt[: max(1, engine.info.max_model_len - max_tokens - 1)]
-                    answer: list[int] = []
-                    async for out in engine.generate(prompt, params):
-                        answer = out.token_ids
-                        bar.tokens(len(out.delta_token_ids))
-                    pairs[i] = (prompt, answer)
-                bar.request_done()
+    async def run() -> None:
+        bar = Progress("train-drafter: generating answers", len(conversations), len(conversations) * max_tokens)
 
-            with bar:
-                async with anyio.create_task_group() as tg:
-                    for i in range(len(conversations)):
-                        tg.start_soon(one, i)
-        return pairs
+        async def tick() -> None:
+            while True:
+                await anyio.sleep(TICK_S)
+                bar.tokens(0)  # a line when one is due, tokens or not
 
-    return Sequences.pack([pair for pair in anyio.run(run) if pair[0]])
+        with bar, anyio.CancelScope(deadline=deadline):
+            async with anyio.create_task_group() as ticking:
+                ticking.start_soon(tick)
+                async with AsyncEngine(config) as engine:
+                    limit = anyio.Semaphore(concurrency)
+
+                    async def one(i: int) -> None:
+                        params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                                seed=seed + i if temperature else None)
+                        async with limit:
+                            prompt = engine.encode_chat(conversations[i])
+                            prompt = prompt[: max(1, engine.info.max_model_len - max_tokens - 1)]
+                            async for out in engine.generate(prompt, params):
+                                pairs[i] = (prompt, out.token_ids)  # kept as far as it got, if cut
+                                bar.tokens(len(out.delta_token_ids))
+                        bar.request_done()
+
+                    async with anyio.create_task_group() as tg:
+                        for i in range(len(conversations)):
+                            tg.start_soon(one, i)
+                ticking.cancel_scope.cancel()
+
+    try:
+        anyio.run(run)
+    except KeyboardInterrupt:
+        raise Interrupted(Sequences.pack([p for p in pairs if p[1]])) from None
+    return Sequences.pack([p for p in pairs if p[1]])
 
 
 class DenseCausalAttention:
@@ -181,15 +204,18 @@ class TargetFeatures:
 def batches(data: Sequences, batch_size: int, length: int, rng: np.random.Generator
             ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Endless random batches [B, length] on the host (`feed.DeviceFeed` moves them): each row one
-    sequence (cut to length, right-padded); the mask covers the answer's positions whose next
-    token the target wrote, not the padding."""
+    sequence (right-padded); the mask covers the answer's positions whose next token the target
+    wrote, not the padding. A sequence longer than `length` keeps its answer: the window starts
+    where at most a quarter of it is prompt (a long prompt cut to `length` from its start would
+    leave no answer to learn from, as on a CPU's short windows)."""
     while True:
         pick = rng.integers(len(data), size=batch_size)
         tokens = np.zeros((batch_size, length), np.int64)
         mask = np.zeros((batch_size, length), bool)
         for row, i in enumerate(pick):
             seq, prompt_len = data.get(int(i))
-            seq = seq[:length]
+            start = max(0, min(prompt_len - length // 4, len(seq) - length))
+            seq, prompt_len = seq[start : start + length], prompt_len - start
             tokens[row, : len(seq)] = seq
             mask[row, max(prompt_len - 1, 0) : len(seq) - 1] = True
         yield tokens, mask

@@ -16,6 +16,12 @@
 3. Output: `--out` holds `config.json` + `model.safetensors` (what `--draft-model` loads), a
    resumable `state.pt` written every `--save-every` steps, `train_log.json` and `loss.png`.
    Running the same command again resumes where the last one stopped.
+
+`--minutes` bounds the whole run (`budget`): data gets a share of it, training the rest less
+the time to save, and a checkpoint is written whatever happened before (no data in time: the
+drafter as it started; Ctrl-C: as far as it got, then the command stops as interrupted). A
+line comes at least every 10 s, inside a slow step too (`heartbeat`). Defaults are sized to
+the device (`args.SIZED`): a CPU run is a few dozen answers and small batches.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import numpy as np
@@ -41,10 +47,13 @@ from ...model_config import ModelConfig
 from ...models.checkpoint import read_config, resolve
 from ...models.loader import load_model
 from ...plugin import FitsVocabulary, TrainableDrafter
-from .args import trainable
+from ...progress import LOG_EVERY_S, Every
+from .args import size_defaults, trainable
+from .budget import Budget
 from .corpus import build_corpus, read_corpus
-from .data import Sequences, TargetFeatures, batches, generate, label_counts
+from .data import Interrupted, Sequences, TargetFeatures, batches, generate, label_counts
 from .feed import DeviceBatch, DeviceFeed
+from .heartbeat import Heartbeat
 from .meter import Meter
 from .step import Figures, MethodRun, read_figures, syncs_fail, train_step
 
@@ -75,46 +84,69 @@ def data_path(args: argparse.Namespace) -> Path:
     return (args.out if args.out is not None else Path("drafters")) / "data.npz"
 
 
-def load_data(args: argparse.Namespace) -> Sequences:
+def load_data(args: argparse.Namespace, budget: Budget, beat: Heartbeat) -> Sequences:
+    """--data when it exists, else the target's answers to the prompts, generated until every
+    prompt is answered or the data's share of --minutes is over, and written to --data. On
+    Ctrl-C, what was made is written too and `Interrupted` (holding it) goes on up."""
     paths = args.data or [data_path(args)]
     if all(p.exists() for p in paths):
         data = Sequences.concat([Sequences.load(p) for p in paths])
-        print(f"train-drafter: {len(data)} sequences from {', '.join(map(str, paths))}", file=sys.stderr)
+        beat.say(f"train-drafter: {len(data)} sequences from {', '.join(map(str, paths))}")
         return data
     if len(paths) > 1:
         raise InvalidInputError(f"--data: {', '.join(str(p) for p in paths if not p.exists())} missing; "
                                 "data is generated into one file")
     path = paths[0]
-    conversations = [c for f in args.prompts for c in read_corpus(f)] if args.prompts \
-        else build_corpus(args.num_prompts, seed=args.seed)
     index, _, count = args.shard.partition("/")
     if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
         raise InvalidInputError(f"--shard: expected I/N with 0 <= I < N, got {args.shard!r}")
-    conversations = conversations[int(index) :: int(count)]
-    if not conversations:
-        raise InvalidInputError("the prompt corpus is empty")
     kv_bytes = None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30)
     config = EngineConfig(model=args.target, platform=args.platform, max_num_seqs=args.concurrency,
                           max_model_len=2048, kv_cache_bytes=kv_bytes, log_level="warning").validate()
     started = time.monotonic()
-    data = generate(config, conversations, args.max_tokens, concurrency=args.concurrency,
-                    temperature=args.temperature, seed=args.seed, seconds=60 * args.minutes or None)
-    data.save(path)
-    answered = int((np.diff(data.offsets) - data.prompt_lens).sum())
-    missing = len(conversations) - len(data)
-    left = f" ({missing} prompts left out at the time limit)" if missing else ""
-    print(f"train-drafter: {len(data)} answers, {answered} tokens in {time.monotonic() - started:.0f} s "
-          f"-> {path}{left}", file=sys.stderr)
+    with beat.watch(lambda: f"train-drafter: building the prompt corpus, {time.monotonic() - started:.0f} s"):
+        conversations = [c for f in args.prompts for c in read_corpus(f)] if args.prompts \
+            else build_corpus(args.num_prompts, seed=args.seed)
+    conversations = conversations[int(index) :: int(count)]
+    if not conversations:
+        raise InvalidInputError("the prompt corpus is empty")
+    deadline = budget.data_deadline(training_follows=not args.generate_only)
+    most = f" for at most {max(0.0, deadline - time.monotonic()):.0f} s" if math.isfinite(deadline) else ""
+    beat.say(f"train-drafter: answering {len(conversations)} prompts, {args.concurrency} at once, up to "
+             f"{args.max_tokens} tokens each{most}")
+    try:
+        with beat.watch(None):  # the generation's own progress line speaks for it
+            data = generate(config, conversations, args.max_tokens, concurrency=args.concurrency,
+                            temperature=args.temperature, seed=args.seed, deadline=deadline)
+    except Interrupted as e:
+        keep_data(e.data, path, len(conversations), started, beat, "when interrupted")
+        raise
+    keep_data(data, path, len(conversations), started, beat, "at the time limit")
     return data
 
 
-def lr_at(step: int, args: argparse.Namespace, elapsed_s: float) -> float:
-    """Linear warm-up, then cosine decay to a tenth over --steps or --minutes, whichever ends first."""
+def keep_data(data: Sequences, path: Path, asked: int, started: float, beat: Heartbeat, why: str) -> None:
+    """Writes the answers made (none: nothing written, so the next run generates again) and says
+    how many, and how many prompts got a whole answer."""
+    if not len(data):
+        beat.say(f"train-drafter: no answer made {why} ({time.monotonic() - started:.0f} s); nothing written "
+                 f"to {path}")
+        return
+    data.save(path)
+    answered = int((np.diff(data.offsets) - data.prompt_lens).sum())
+    missing = asked - len(data)
+    left = f" ({missing} prompts left out {why}; delete the file to generate again)" if missing else ""
+    beat.say(f"train-drafter: {len(data)} answers, {answered} tokens in {time.monotonic() - started:.0f} s "
+             f"-> {path}{left}")
+
+
+def lr_at(step: int, args: argparse.Namespace, time_done: float) -> float:
+    """Linear warm-up, then cosine decay to a tenth over --steps or the training time of
+    --minutes (`time_done`: its share gone), whichever ends first."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     done = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
-    if args.minutes:
-        done = max(done, min(1.0, elapsed_s / (60 * args.minutes)))
+    done = max(done, time_done)
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
 
 
@@ -144,18 +176,52 @@ def evaluate(runs: list[MethodRun], features: TargetFeatures, held: list[DeviceB
         r.log[-1].update({f"val_{k}": v for k, v in sums[r.method].items()})
 
 
+@runtime_checkable
+class ShipsCheckpoint(Protocol):
+    """Optional for a `TrainableSpeculator`: a checkpoint that comes with it, which
+    `--init METHOD` names (the learned drafters ship theirs for the default model)."""
+
+    @classmethod
+    def shipped_checkpoint(cls) -> Path | None:
+        """The shipped checkpoint's folder (None: none ships)."""
+        ...
+
+
+def init_folder(init: str | None, method: str, several: bool) -> Path | None:
+    """The checkpoint --init names for `method`: a folder (with several methods, the METHOD
+    folder inside it), or, by a trainable method's name, the checkpoint shipped with it."""
+    if init is None:
+        return None
+    path = Path(init).expanduser()
+    if path.exists():
+        return path / method if several else path
+    names = ", ".join(n for n in trainable() if isinstance(trainable()[n], ShipsCheckpoint))
+    if init not in trainable():
+        raise InvalidInputError(f"--init {init}: no such folder, nor the name of a shipped drafter ({names})")
+    if several:
+        raise InvalidInputError(f"--init {init}: a shipped drafter's name serves one --method; with several, "
+                                "--init takes a folder holding one checkpoint folder per method")
+    cls = trainable()[init]
+    shipped = cls.shipped_checkpoint() if isinstance(cls, ShipsCheckpoint) else None
+    if shipped is None:
+        raise InvalidInputError(f"--init {init}: no drafter ships with {init} (shipped: {names or 'none'}); "
+                                "pass a checkpoint folder")
+    return shipped
+
+
 def method_folders(args: argparse.Namespace) -> dict[str, tuple[Path, Path | None]]:
     """Each method's output folder and --init checkpoint: --out and --init themselves for one
     method, a METHOD folder inside each for several."""
     methods = list(dict.fromkeys(args.method))
-    if len(methods) == 1:
-        return {methods[0]: (args.out or Path("drafters") / methods[0], args.init)}
+    several = len(methods) > 1
+    if not several:
+        return {methods[0]: (args.out or Path("drafters") / methods[0], init_folder(args.init, methods[0], False))}
     base = args.out or Path("drafters")
-    return {m: (base / m, None if args.init is None else args.init / m) for m in methods}
+    return {m: (base / m, init_folder(args.init, m, True)) for m in methods}
 
 
 def start_method(args: argparse.Namespace, method: str, out: Path, init: Path | None, target_cfg: ModelConfig,
-                 data: Sequences, device: torch.device) -> MethodRun:
+                 data: Sequences, device: torch.device, beat: Heartbeat) -> MethodRun:
     """A method's drafter: new (seeded), from --init, or resumed from its folder's state.pt."""
     cls = trainable()[method]
     overrides = parse_overrides(args.set, method)
@@ -183,7 +249,7 @@ def start_method(args: argparse.Namespace, method: str, out: Path, init: Path | 
         drafter.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         run.step, run.log = state["step"], state["log"]
-        print(f"train-drafter: resuming {method} at step {run.step}", file=sys.stderr)
+        beat.say(f"train-drafter: resuming {method} at step {run.step}")
     return run
 
 
@@ -210,58 +276,142 @@ def grow(drafter: TrainableDrafter, state: dict[str, torch.Tensor], layers: int,
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Trains every --method on the same batches, one forward of the target per batch for all of
-    them. Returns the summary of the one method, or {"methods": {method: summary}} for several."""
+    them, within --minutes when given, and saves each checkpoint whatever stopped the run (the
+    steps, the deadline, no data in time, Ctrl-C: saved, then KeyboardInterrupt goes on up).
+    Returns the summary of the one method, or {"methods": {method: summary}} for several."""
+    budget = Budget(args.minutes, args.data_share)  # the run's clock starts here
     if args.minutes < 0:
         raise InvalidInputError(f"--minutes: expected >= 0, got {args.minutes}")
+    if not 0 < args.data_share <= 1:
+        raise InvalidInputError(f"--data-share: expected a share in (0, 1], got {args.data_share}")
     if not 0 <= args.holdout < 1:
         raise InvalidInputError(f"--holdout: expected a share in [0, 1), got {args.holdout}")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    size_defaults(args, device.type == "cuda")
     if args.eval_every < 1 or args.eval_batches < 1:
         raise InvalidInputError("--eval-every and --eval-batches: expected >= 1")
     folders = method_folders(args)
     for out, _ in folders.values():
         out.mkdir(parents=True, exist_ok=True)
-    data = load_data(args)
-    if args.generate_only:
-        return {"sequences": len(data)}
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    on_gpu = device.type == "cuda"
+    with Heartbeat() as beat, beat.watch(lambda: f"train-drafter: {time.monotonic() - budget.start:.0f} s into "
+                                                  f"the run{until(budget)}"):
+        within = f", within {budget.seconds:.0f} s" if budget.limited else ""
+        beat.say(f"train-drafter: {'+'.join(folders)} for {args.target}, training on {device}{within}")
+        stopped: KeyboardInterrupt | None = None
+        try:
+            data = load_data(args, budget, beat)
+        except Interrupted as e:
+            data, stopped = e.data, e
+        if args.generate_only:
+            if stopped is not None:
+                raise stopped
+            return {"sequences": len(data)}
+        return train_and_save(args, data, folders, device, budget, beat, stopped)
+
+
+def until(budget: Budget) -> str:
+    """', N s left' with a deadline, else nothing: the end of a progress line."""
+    return f", {max(0.0, budget.left()):.0f} s left" if budget.limited else ""
+
+
+def split_data(data: Sequences, holdout: float, beat: Heartbeat) -> tuple[Sequences, Sequences]:
+    """(kept, held out) by --holdout; all kept when the share would hold out every sequence (a
+    few answers made before a deadline), since a run always trains on what it has."""
+    kept, held = data.split(holdout)
+    if len(data) and not len(kept):
+        beat.say(f"train-drafter: --holdout {holdout} would hold out all {len(data)} sequences; training on "
+                 "all of them, none held out")
+        return data, data.select(np.zeros(0, np.int64))
+    return kept, held
+
+
+def train_and_save(args: argparse.Namespace, data: Sequences, folders: dict[str, tuple[Path, Path | None]],
+                   device: torch.device, budget: Budget, beat: Heartbeat, stopped: KeyboardInterrupt | None
+                   ) -> dict[str, Any]:
+    """The drafters built (or resumed), trained while there is data, time and no Ctrl-C, then saved."""
     path = resolve(args.target)
     target_cfg = read_config(path)
-    data, held_data = data.split(args.holdout)
-    if not len(data):
-        raise InvalidInputError(f"--holdout {args.holdout} leaves no sequence to train on")
-    runs = [start_method(args, m, out, init, target_cfg, data, device) for m, (out, init) in folders.items()]
-    target = load_model(path, torch.bfloat16 if on_gpu else torch.float32, device, args.seq_len + 32)
+    data, held_data = split_data(data, args.holdout, beat)
+    runs = [start_method(args, m, out, init, target_cfg, data, device, beat) for m, (out, init) in folders.items()]
+    meter = Meter(device)
+    started = time.monotonic()
+    why = "steps"
+    if stopped is not None:
+        why = "interrupted"
+    elif not len(data):
+        why = "no data"
+        beat.say("train-drafter: no data to train on (none made in time): saving the drafter as it started")
+    elif any(r.step < args.steps for r in runs):
+        try:
+            why = fit(args, runs, data, held_data, path, device, budget, beat, meter)
+        except KeyboardInterrupt as e:
+            stopped, why = e, "interrupted"
+            beat.say("train-drafter: interrupted: saving what was trained")
+    elapsed = time.monotonic() - started
+    summaries = {}
+    saving = time.monotonic()
+    with beat.watch(lambda: f"train-drafter: saving, {time.monotonic() - saving:.0f} s"):
+        for r in runs:
+            summaries[r.method] = save_run(args, r, runs, meter, elapsed, len(data), len(held_data), device, why,
+                                           beat)
+    meter.close()
+    if stopped is not None:
+        raise stopped
+    return summaries[runs[0].method] if len(runs) == 1 else {"methods": summaries}
+
+
+def fit(args: argparse.Namespace, runs: list[MethodRun], data: Sequences, held_data: Sequences, path: Path,
+        device: torch.device, budget: Budget, beat: Heartbeat, meter: Meter) -> str:
+    """The training loop, until --steps or the time to save; returns which ended it ("steps" or
+    "deadline"). A step starts only when the mean step so far still fits before the deadline, a
+    held-out measurement only when its estimate does; a line comes every --log-every steps or
+    10 s (`heartbeat`: while a long step runs too)."""
+    on_gpu = device.type == "cuda"
+    loading = time.monotonic()
+    with beat.watch(lambda: f"train-drafter: loading the target, {time.monotonic() - loading:.0f} s"):
+        target = load_model(path, torch.bfloat16 if on_gpu else torch.float32, device, args.seq_len + 32)
     features = TargetFeatures(target, tuple(sorted({layer for r in runs for layer in r.drafter.config.target_layers})),
                               tuple(sorted({layer for r in runs for layer in r.drafter.config.kv_layers})))
     first = min(r.step for r in runs)
     held = [] if not len(held_data) else list(itertools.islice(
         DeviceFeed(batches(held_data, args.batch_size, args.seq_len, np.random.default_rng([args.seed, 1])), device),
         args.eval_batches))
-    print(f"train-drafter: training on {len(data)} sequences, {len(held_data)} held out", file=sys.stderr)
+    span = f", for {max(0.0, budget.training_end - time.monotonic()):.0f} s" if budget.limited else ""
+    beat.say(f"train-drafter: training on {len(data)} sequences, {len(held_data)} held out{span}")
     rng = np.random.default_rng(args.seed + first)
     feed = DeviceFeed(batches(data, args.batch_size, args.seq_len, rng), device)
-    meter = Meter(device)
-    started = time.monotonic()
     name = "+".join(r.method for r in runs)
     bar = tqdm(total=args.steps, initial=first, desc=f"training {name}", unit="step", file=sys.stderr, disable=None)
     log_every = max(1, args.log_every)
     shown = {r.method: len(r.log) for r in runs}
+    every = Every(LOG_EVERY_S)
+    doing = {"what": f"step {first + 1}", "since": time.monotonic()}
+
+    def status() -> str:
+        return (f"train-drafter: {name} {doing['what']} running for {time.monotonic() - doing['since']:.0f} s"
+                f"{until(budget)}")
+
     for r in runs:
         r.drafter.train()
-    with bar:
+    started = time.monotonic()
+    why = "steps"
+    with bar, beat.watch(status):
         while any(r.step < args.steps for r in runs):
-            if args.minutes and time.monotonic() - started > 60 * args.minutes:
+            done = max(r.step for r in runs) - first
+            per_step = (time.monotonic() - started) / done if done else 0.0
+            if not budget.fits(per_step):
+                why = "deadline"
                 break
             stepped = [r for r in runs if r.step < args.steps]
-            lrs = [lr_at(r.step, args, time.monotonic() - started) for r in stepped]
+            lrs = [lr_at(r.step, args, budget.done(started)) for r in stepped]
+            doing.update(what=f"step {max(r.step for r in stepped) + 1}", since=time.monotonic())
             meter.begin()
             with syncs_fail(args.sync_check and on_gpu):
                 tokens = train_step(stepped, features, feed, lrs)
             meter.end(tokens)
             bar.update(1)
             step = max(r.step for r in stepped)
-            if step % log_every == 0 or step == args.steps:  # the log interval: the device is read here
+            if step % log_every == 0 or step == args.steps or every():  # the device is read here
                 for r in runs:
                     r.flush()
                 postfix = interval_postfix(runs, shown, meter.read(), meter)
@@ -269,38 +419,52 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 if bar.disable:  # no bar: a line now and then
                     rate = (step - first) / max(time.monotonic() - started, 1e-9)
                     figures = ", ".join(f"{k} {v}" for k, v in postfix.items())
-                    print(f"train-drafter: {name} step {step}/{args.steps}, {figures}, {rate:.2f} steps/s",
-                          file=sys.stderr, flush=True)
+                    beat.say(f"train-drafter: {name} step {step}/{args.steps}, {figures}, {rate:.2f} steps/s"
+                             f"{until(budget)}")
+                else:
+                    beat.heard()
             due = [r for r in stepped if r.step % args.eval_every == 0]
-            if held and due:
+            if held and due and budget.fits(eval_estimate(held, per_step)):
+                doing.update(what="measuring on the held-out prompts", since=time.monotonic())
                 evaluate(due, features, held, device)
             for r in stepped:
                 if r.step % args.save_every == 0:
                     r.save_state()
-    for r in runs:
-        r.flush()
+        for r in runs:
+            r.flush()
+        last = [r for r in runs if r.log and "val_loss" not in r.log[-1]]
+        if held and last:
+            done = max(r.step for r in runs) - first
+            if budget.fits(eval_estimate(held, (time.monotonic() - started) / max(done, 1))):
+                doing.update(what="measuring on the held-out prompts", since=time.monotonic())
+                evaluate(last, features, held, device)
+            else:
+                beat.say("train-drafter: no final held-out measurement: it would not end before the deadline")
     meter.read()
-    meter.close()
-    elapsed = time.monotonic() - started
-    last = [r for r in runs if r.log and "val_loss" not in r.log[-1]]
-    if held and last:
-        evaluate(last, features, held, device)
-    summaries = {}
-    for r in runs:
-        r.save_state()
-        r.cls.save(r.out, r.drafter)
-        n_params = sum(p.numel() for p in r.params)
-        summary = {"method": r.method, "steps": r.step, "parameters": n_params, "seconds": elapsed,
-                   "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr, "sequences": len(data),
-                   "held_out": len(held_data), "trained_with": [x.method for x in runs],
-                   "config": msgspec.to_builtins(r.drafter.config), "final": r.log[-1] if r.log else {},
-                   "device": str(device), "throughput": meter.total()}
-        (r.out / "train_log.json").write_text(train_log_text(summary, r.log))
-        plot_loss(r.log, r.out / "loss.png", r.method)
-        print(f"train-drafter: {r.method} {r.step} steps, {n_params / 1e6:.1f}M parameters -> {r.out}",
-              file=sys.stderr)
-        summaries[r.method] = summary
-    return summaries[runs[0].method] if len(runs) == 1 else {"methods": summaries}
+    return why
+
+
+def eval_estimate(held: list[DeviceBatch], per_step: float) -> float:
+    """Seconds a held-out measurement should take: a forward of target and drafter per batch,
+    about half a training step (which adds the backward and the optimizer)."""
+    return 0.5 * per_step * len(held)
+
+
+def save_run(args: argparse.Namespace, r: MethodRun, runs: list[MethodRun], meter: Meter, elapsed: float,
+             sequences: int, held_out: int, device: torch.device, why: str, beat: Heartbeat) -> dict[str, Any]:
+    """One method's checkpoint, state.pt, train_log.json and loss.png; returns its summary."""
+    r.save_state()
+    r.cls.save(r.out, r.drafter)
+    n_params = sum(p.numel() for p in r.params)
+    summary = {"method": r.method, "steps": r.step, "parameters": n_params, "seconds": elapsed,
+               "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr, "sequences": sequences,
+               "held_out": held_out, "trained_with": [x.method for x in runs], "stopped_by": why,
+               "config": msgspec.to_builtins(r.drafter.config), "final": r.log[-1] if r.log else {},
+               "device": str(device), "throughput": meter.total()}
+    (r.out / "train_log.json").write_text(train_log_text(summary, r.log))
+    plot_loss(r.log, r.out / "loss.png", r.method)
+    beat.say(f"train-drafter: {r.method} {r.step} steps ({why}), {n_params / 1e6:.1f}M parameters -> {r.out}")
+    return summary
 
 
 def interval_postfix(runs: list[MethodRun], shown: dict[str, int], rates: dict[str, float],
