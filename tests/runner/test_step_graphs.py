@@ -366,9 +366,11 @@ def test_run_ahead_speculation_equals_waiting_for_each_step(temperature: float,
 
     ahead, shifted, stats = run(2, speculator="ngram", num_speculative_tokens=3)
     assert shifted > 0, "no row ran ahead"
-    assert stats["spec"]["num_draft_tokens"] > 0 and stats["spec"]["num_host_draft_copies"] == 0
-    # Greedy accepts drafts (repetitive prompts); sampling on this random model rejects nearly all,
-    # so there every shifted row moves back and its sampling index with it.
+    assert stats["spec"]["num_host_draft_copies"] == 0
+    # Greedy drafts and accepts (repetitive prompts). Sampled tokens of this random model repeat no
+    # n-gram, so ngram's slots hold only padding, which the counters do not count as drafts: there
+    # every shifted row moves back by all K slots, and its sampling index with it.
+    assert stats["spec"]["num_draft_tokens"] > 0 or temperature > 0
     assert stats["spec"]["num_accepted_tokens"] > 0 or temperature > 0
     assert stats["num_graph_steps"] > 0 or temperature > 0
     waiting, waiting_shifted, _ = run(1, speculator="ngram", num_speculative_tokens=3)

@@ -58,6 +58,16 @@ from .meter import Meter
 from .step import Figures, MethodRun, read_figures, syncs_fail, train_step
 
 
+class Doing(msgspec.Struct):
+    """What training is busy with and since when: the heartbeat's line between two steps."""
+
+    what: str
+    since: float
+
+    def start(self, what: str) -> None:
+        self.what, self.since = what, time.monotonic()
+
+
 def parse_overrides(items: list[str], method: str | None = None) -> dict[str, Any]:
     """--set's fields for `method`: FIELD=VALUE for every method, METHOD.FIELD=VALUE for one."""
     out: dict[str, Any] = {}
@@ -385,10 +395,10 @@ def fit(args: argparse.Namespace, runs: list[MethodRun], data: Sequences, held_d
     log_every = max(1, args.log_every)
     shown = {r.method: len(r.log) for r in runs}
     every = Every(LOG_EVERY_S)
-    doing = {"what": f"step {first + 1}", "since": time.monotonic()}
+    doing = Doing(f"step {first + 1}", time.monotonic())
 
     def status() -> str:
-        return (f"train-drafter: {name} {doing['what']} running for {time.monotonic() - doing['since']:.0f} s"
+        return (f"train-drafter: {name} {doing.what} running for {time.monotonic() - doing.since:.0f} s"
                 f"{until(budget)}")
 
     for r in runs:
@@ -404,7 +414,7 @@ def fit(args: argparse.Namespace, runs: list[MethodRun], data: Sequences, held_d
                 break
             stepped = [r for r in runs if r.step < args.steps]
             lrs = [lr_at(r.step, args, budget.done(started)) for r in stepped]
-            doing.update(what=f"step {max(r.step for r in stepped) + 1}", since=time.monotonic())
+            doing.start(f"step {max(r.step for r in stepped) + 1}")
             meter.begin()
             with syncs_fail(args.sync_check and on_gpu):
                 tokens = train_step(stepped, features, feed, lrs)
@@ -425,7 +435,7 @@ def fit(args: argparse.Namespace, runs: list[MethodRun], data: Sequences, held_d
                     beat.heard()
             due = [r for r in stepped if r.step % args.eval_every == 0]
             if held and due and budget.fits(eval_estimate(held, per_step)):
-                doing.update(what="measuring on the held-out prompts", since=time.monotonic())
+                doing.start("measuring on the held-out prompts")
                 evaluate(due, features, held, device)
             for r in stepped:
                 if r.step % args.save_every == 0:
@@ -436,7 +446,7 @@ def fit(args: argparse.Namespace, runs: list[MethodRun], data: Sequences, held_d
         if held and last:
             done = max(r.step for r in runs) - first
             if budget.fits(eval_estimate(held, (time.monotonic() - started) / max(done, 1))):
-                doing.update(what="measuring on the held-out prompts", since=time.monotonic())
+                doing.start("measuring on the held-out prompts")
                 evaluate(last, features, held, device)
             else:
                 beat.say("train-drafter: no final held-out measurement: it would not end before the deadline")
