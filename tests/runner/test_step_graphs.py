@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
 import torch
 
 from speckernel.attention import AttentionMetadata
-from speckernel.kernel.frame import ScheduledRow, StepFrame
+from speckernel.kernel.frame import ScheduledRow, StepFrame, StepResult
 from speckernel.model_config import ModelConfig
 from speckernel.models.llama import LlamaModel
 from speckernel.ops.paged_attention import TritonPagedAttention
@@ -104,6 +105,16 @@ def runner(graphs: bool, prefill: tuple[int, ...] = (), fused: bool = False,
     return r
 
 
+def prompts_on_the_torch_path(r: ModelRunner, frame: StepFrame, fused: bool) -> StepResult:
+    """Runs a step of prompts on the torch path, then sets the model's Triton kernels as `fused`
+    says. With fused, what is compared is the steps after it, on the small-batch kernels; prompts
+    of more than 16 tokens would take the fused path's kernels, a program per token, interpreted."""
+    r.model.use_triton_ops(False)
+    result = r.execute(frame)
+    r.model.use_triton_ops(fused)
+    return result
+
+
 def same_kv(eager: ModelRunner, replayed: ModelRunner) -> None:
     """The same cache slots written (the cache starts at zero), with the same values up to the
     last bits (a padded batch runs its matmuls with another shape)."""
@@ -156,8 +167,8 @@ def test_replayed_padded_steps_equal_eager_steps(greedy_only: bool, fused: bool)
         step += 1
     results = {}
     for name, r in (("eager", eager), ("replayed", replayed)):
-        out = []
-        for frame in frames:
+        out = [prompts_on_the_torch_path(r, frames[0], fused)]
+        for frame in frames[1:]:
             out.append(r.execute(frame))
         results[name] = out
     for a, b in zip(results["eager"], results["replayed"], strict=True):
@@ -179,7 +190,7 @@ def test_replayed_verification_equals_eager_verification(drafts: tuple[int, int]
     first = StepFrame(0, [ScheduledRow(s, 0, s, 0, p, blocks(s), sampling(s, 0)) for s, p in prompts.items()])
     outs = {}
     for name, r in (("eager", eager), ("replayed", replayed)):
-        r.execute(first)
+        prompts_on_the_torch_path(r, first, fused)
         # Drafts sit right after each row's sampled token, as a speculator leaves them (they need
         # not be right: rejections are the point). With (1, 1) the step verifies fewer drafts
         # than the captured K: the replay pads its columns, the results must not move.
@@ -281,91 +292,157 @@ def graphs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("speckernel.engine.core.EngineCore._warm_kernels", lambda self, k: None)
 
 
-@pytest.mark.parametrize("spec", [{}, {"speculator": "ngram", "num_speculative_tokens": 3}])
-def test_engine_with_replayed_graphs_equals_the_eager_engine(spec: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The whole engine (scheduler, ledger, runner, graphs) on a small random model: replayed
-    decode and verification steps, variable-width drafts included, give the eager tokens."""
-    from speckernel.config import EngineConfig
-    from speckernel.engine.core import EngineCore
-    from speckernel.sampling_params import SamplingParams
-    from speckernel.wire.messages import AddRequest
+NGRAM: dict[str, object] = {"speculator": "ngram", "num_speculative_tokens": 3}
+MAX_TOKENS = (4, 6, 8, 10, 5)
+"""The tokens each request asks for: rows finish at different steps, so decode steps of several
+sizes replay, some padded to their bucket, the fifth prompt starts while the others decode, and
+rows run ahead and move back on enough steps for a wrong move to show in the tokens."""
 
-    graphs_on_the_cpu(monkeypatch)
-    rng = np.random.default_rng(3)
-    # Repetitive prompts, so that ngram finds matches of every length up to K.
-    prompts = [(rng.integers(0, 40, 5).tolist() * 4)[: 9 + 3 * i] for i in range(5)]
 
-    def run(eager: bool) -> tuple[dict[int, list[int]], int]:
-        core = EngineCore(EngineConfig(model="random:tiny", platform="cpu", dtype="float32", max_model_len=96,
-                                       max_num_seqs=4, num_kv_blocks=48, enforce_eager=eager,
-                                       adaptive_speculation=False, **spec))
-        for key, p in enumerate(prompts):
-            assert core.add_request(AddRequest(key, p, SamplingParams(max_tokens=9, temperature=0.0,
-                                                                      ignore_eos=True))) is None
-        out: dict[int, list[int]] = {key: [] for key in range(len(prompts))}
+def engine_prompts() -> list[list[int]]:
+    """Repetitive prompts, so that ngram finds matches of every length up to K; four of them
+    (54 tokens) make a several-prompt step, the fifth (21) a one-row prompt step. With this seed
+    the model's greedy tokens repeat too: ngram's drafts are accepted and rejected."""
+    rng = np.random.default_rng(7)
+    return [(rng.integers(0, 40, 5).tolist() * 4)[: 9 + 3 * i] for i in range(5)]
+
+
+class EngineRun(NamedTuple):
+    tokens: dict[int, list[int]]
+    shifted: int
+    """Rows planned ahead of their predecessor's result."""
+    stats: dict[str, Any]
+    replayed: list[tuple[StepShape, list[int]]]
+    """Each replayed step's padded shape and its rows' draft counts."""
+    runner: ModelRunner
+    """Its KV cache and token buffer, compared after the run."""
+
+
+def drive(core, depth: int) -> dict[int, list[int]]:  # type: ignore[no-untyped-def]
+    """Runs the core like its loop does, with up to `depth` frames in flight (1: the engine's own
+    synchronous step); returns each request's tokens."""
+    from collections import deque
+
+    out: dict[int, list[int]] = {key: [] for key in core.scheduler.requests}
+    if depth == 1:
         while core.scheduler.requests:
             for delta in core.step():
                 assert delta.error is None, delta.error
                 out[delta.key] += delta.new_token_ids
-        return out, core.stats()["num_graph_steps"]
-
-    eager, _ = run(True)
-    replayed, graph_steps = run(False)
-    assert graph_steps > 0
-    assert replayed == eager
-
-
-def drive(core, depth: int) -> tuple[dict[int, list[int]], int]:  # type: ignore[no-untyped-def]
-    """Runs the core like its loop does, with up to `depth` frames in flight; returns each
-    request's tokens and how many rows were planned ahead of their predecessor (shifted)."""
-    from collections import deque
-
-    out: dict[int, list[int]] = {key: [] for key in core.scheduler.requests}
+        return out
     in_flight: deque = deque()
-    shifted = 0
     while core.scheduler.requests or in_flight:
         while len(in_flight) < depth and (frame := core.scheduler.schedule()) is not None:
             core.ledger.submit(frame)
-            shifted += sum(row.shifted for row in frame.rows)
             in_flight.append((frame, core.runner.launch(frame)))
         frame, pending = in_flight.popleft()
         for delta in core._apply(pending.result(), frame):
             assert delta.error is None, delta.error
             out[delta.key] += delta.new_token_ids
-    return out, shifted
+    return out
+
+
+class EngineRuns:
+    """Each engine configuration runs once per module, on the same requests (each run interprets
+    every kernel of every step, seconds each): the plain eager engine is the reference of the
+    plain replayed one and of greedy run-ahead, the eager ngram engine that of the replayed ngram
+    engine, which is also the engine that waits for every step that greedy run-ahead must equal."""
+
+    def __init__(self) -> None:
+        self.runs: dict[tuple, EngineRun] = {}
+
+    def __call__(self, config: dict[str, object], depth: int = 1, temperature: float = 0.0,
+                 requests: int = len(MAX_TOKENS)) -> EngineRun:
+        """The run of an engine of this config (EngineConfig fields) with up to `depth` steps in
+        flight, on the first `requests` requests."""
+        key = (depth, temperature, requests, tuple(sorted(config.items())))
+        if key not in self.runs:
+            with pytest.MonkeyPatch.context() as mp:
+                graphs_on_the_cpu(mp)
+                self.runs[key] = self._run(mp, depth, temperature, requests, config)
+        return self.runs[key]
+
+    @staticmethod
+    def _run(mp: pytest.MonkeyPatch, depth: int, temperature: float, requests: int,
+             config: dict[str, object]) -> EngineRun:
+        from speckernel.config import EngineConfig
+        from speckernel.engine.core import EngineCore
+        from speckernel.sampling_params import SamplingParams
+        from speckernel.wire.messages import AddRequest
+
+        # No governor: it would time the interpreted graphs at start, and its verdicts on such
+        # timings would decide which steps draft. One layer: graphs, padding and speculation act
+        # on the step, each layer alike, and each interpreted layer costs as much again.
+        core = EngineCore(EngineConfig(model="random:tiny,num_layers=1", platform="cpu", dtype="float32",
+                                       max_model_len=96, max_num_seqs=4, num_kv_blocks=48,
+                                       adaptive_speculation=False, **config))  # type: ignore[arg-type]
+        for key, p in enumerate(engine_prompts()[:requests]):
+            params = SamplingParams(max_tokens=MAX_TOKENS[key], temperature=temperature, seed=key, ignore_eos=True)
+            assert core.add_request(AddRequest(key, p, params)) is None
+        frames: list[StepFrame] = []
+        replayed: list[tuple[StepShape, list[int]]] = []
+        schedule, replay = core.scheduler.schedule, StepGraphs.replay
+
+        def scheduled() -> StepFrame | None:
+            frame = schedule()
+            if frame is not None:
+                frames.append(frame)
+            return frame
+
+        def recorded(self: StepGraphs, shape: StepShape) -> DeviceOutputs:
+            # A frame is launched as soon as it is scheduled, in either loop.
+            replayed.append((shape, [row.num_drafts for row in frames[-1].rows]))
+            return replay(self, shape)
+
+        core.scheduler.schedule = scheduled  # type: ignore[method-assign]
+        mp.setattr(StepGraphs, "replay", recorded)
+        tokens = drive(core, depth)
+        shifted = sum(row.shifted for frame in frames for row in frame.rows)
+        return EngineRun(tokens, shifted, core.stats(), replayed, core.runner)
+
+
+@pytest.fixture(scope="module")
+def engine_runs() -> EngineRuns:
+    return EngineRuns()
+
+
+@pytest.mark.parametrize("spec", [{}, NGRAM])
+def test_engine_with_replayed_graphs_equals_the_eager_engine(spec: dict[str, object], engine_runs: EngineRuns) -> None:
+    """The whole engine (scheduler, ledger, runner, graphs) on a small random model: replayed
+    prompt, decode and verification steps, padding rows and variable-width drafts included, give
+    the eager tokens."""
+    eager, replayed = engine_runs({"enforce_eager": True, **spec}), engine_runs(spec)
+    assert replayed.stats["num_graph_steps"] > 0
+    assert replayed.tokens == eager.tokens
+    same_kv(eager.runner, replayed.runner)
+    slots = replayed.runner.num_slots  # the spare row and column take what padding writes
+    assert torch.equal(eager.runner.pool.tokens[:slots, :-1], replayed.runner.pool.tokens[:slots, :-1]), \
+        "padding wrote no token a request reads"
+    # What the requests are for: every kind of step, and rows of padding, replayed.
+    assert any(not shape.decode_like for shape, _ in replayed.replayed), "a prompt step replayed"
+    decode = [(shape.rows, len(drafts)) for shape, drafts in replayed.replayed if shape.decode_like]
+    assert len({rows for rows, _ in decode}) > 1 and any(rows > n for rows, n in decode), decode
+    if spec:
+        widths = {n for shape, drafts in replayed.replayed if shape.verify_width for n in drafts}
+        assert {0, 1, 2, 3} <= widths, f"rows verifying every number of draft slots: {widths}"
+        counts = replayed.stats["spec"]
+        assert 0 < counts["num_accepted_tokens"] < counts["num_draft_tokens"], "drafts accepted and rejected"
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_run_ahead_speculation_equals_waiting_for_each_step(temperature: float,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_run_ahead_speculation_equals_waiting_for_each_step(temperature: float, engine_runs: EngineRuns) -> None:
     """With a device-only speculator the next step of a speculative request is launched before
     the accepted counts of the one in flight reach the host: planned as if every draft was
     accepted, moved back on the device by what was rejected. Its tokens equal those of an
     engine that waits for every step (seeded sampling included: the sampling index moves back
-    too), greedy ones equal plain decoding, and no draft ID ever reaches the host."""
-    from speckernel.config import EngineConfig
-    from speckernel.engine.core import EngineCore
-    from speckernel.sampling_params import SamplingParams
-    from speckernel.wire.messages import AddRequest
-
-    graphs_on_the_cpu(monkeypatch)  # greedy graphs: sampled steps run eagerly, shifted rows and all
-    rng = np.random.default_rng(5)
-    prompts = [(rng.integers(0, 30, 4).tolist() * 5)[: 8 + 3 * i] for i in range(4)]
-
-    def run(depth: int, **spec: object) -> tuple[dict[int, list[int]], int, dict]:
-        # No governor: it would time the interpreted graphs at start, and its verdicts on such
-        # timings would decide which steps draft.
-        core = EngineCore(EngineConfig(model="random:tiny", platform="cpu", dtype="float32", max_model_len=96,
-                                       max_num_seqs=4, num_kv_blocks=48, adaptive_speculation=False,
-                                       **spec))  # type: ignore[arg-type]
-        for key, p in enumerate(prompts):
-            params = SamplingParams(max_tokens=10, temperature=temperature, seed=key, ignore_eos=True)
-            assert core.add_request(AddRequest(key, p, params)) is None
-        out, shifted = drive(core, depth)
-        return out, shifted, core.stats()
-
-    ahead, shifted, stats = run(2, speculator="ngram", num_speculative_tokens=3)
-    assert shifted > 0, "no row ran ahead"
+    too), greedy ones equal plain decoding, and no draft ID ever reaches the host. Greedy graphs
+    only: sampled steps run eagerly, shifted rows and all."""
+    # Sampled, three requests suffice: ngram's slots hold only padding there (below), so every
+    # row that runs ahead moves back, sampling index and all.
+    requests = 3 if temperature else len(MAX_TOKENS)
+    ahead = engine_runs(NGRAM, depth=2, temperature=temperature, requests=requests)
+    assert ahead.shifted > 0, "no row ran ahead"
+    stats = ahead.stats
     assert stats["spec"]["num_host_draft_copies"] == 0
     # Greedy drafts and accepts (repetitive prompts). Sampled tokens of this random model repeat no
     # n-gram, so ngram's slots hold only padding, which the counters do not count as drafts: there
@@ -373,9 +450,8 @@ def test_run_ahead_speculation_equals_waiting_for_each_step(temperature: float,
     assert stats["spec"]["num_draft_tokens"] > 0 or temperature > 0
     assert stats["spec"]["num_accepted_tokens"] > 0 or temperature > 0
     assert stats["num_graph_steps"] > 0 or temperature > 0
-    waiting, waiting_shifted, _ = run(1, speculator="ngram", num_speculative_tokens=3)
-    assert waiting_shifted == 0
-    assert ahead == waiting
+    waiting = engine_runs(NGRAM, temperature=temperature, requests=requests)
+    assert waiting.shifted == 0
+    assert ahead.tokens == waiting.tokens
     if temperature == 0.0:
-        plain, _, _ = run(1, enforce_eager=True)
-        assert ahead == plain
+        assert ahead.tokens == engine_runs({"enforce_eager": True}).tokens

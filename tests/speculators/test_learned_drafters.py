@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,14 @@ def data(prompts, plain, tmp_path_factory) -> Path:  # type: ignore[no-untyped-d
 
 
 SHALLOW = ["--set", "dflash.num_layers=2", "--set", "dspark.num_layers=2"]
+NARROW = ["--set", "intermediate_size=128"]
+"""The tiny target's own MLP width instead of the drafters' default 1024: training, serving and the
+fused kernels run the same code at any width (silu_mul takes a row in one block at either), and
+a step costs a third to a half less."""
+SHORT_BLOCKS = [x for m in ("dflash", "dspark", "causal_cascade") for x in ("--set", f"{m}.block_size=5")]
+"""Block drafters trained on blocks of at most 5 positions (the default 8): fewer positions to train
+per anchor, and still more than the K + 1 = 4 a step serves, so serving still runs a block shorter
+than the longest trained."""
 
 
 def train_args(method: str, data: Path, out: Path, steps: int) -> list[str]:
@@ -66,40 +75,65 @@ def train_args(method: str, data: Path, out: Path, steps: int) -> list[str]:
             "--save-every", "20", "--device", "cpu"]
 
 
+@pytest.fixture(scope="module")
+def trained(data, tmp_path_factory) -> Callable[[str], Path]:  # type: ignore[no-untyped-def]
+    """A drafter of each method trained on the target's answers, once per module: the end-to-end
+    test serves it, and the tests of --init start from it instead of training one of their own."""
+    folders: dict[str, Path] = {}
+
+    def get(method: str) -> Path:
+        if method not in folders:
+            out = tmp_path_factory.mktemp("trained") / method
+            # Two decoder layers where the architecture stacks them (the default is deeper), the
+            # target's MLP width, shorter blocks: training and serving run the same code at any
+            # size; at a higher learning rate, the smaller drafter learns as much in 120 steps.
+            summary = train(build_parser().parse_args([*train_args(method, data, out, 120), *SHALLOW, *NARROW,
+                                                       *SHORT_BLOCKS, "--lr", "1e-2"]))
+            assert summary["steps"] == 120
+            folders[method] = out
+        return folders[method]
+
+    return get
+
+
+FUSED_TOKENS = 12
+"""Tokens of the fused kernels' comparison: its property holds step by step (each draft the
+torch layers' own), and Triton's interpreter pays for every drafted position."""
+
+
 @pytest.mark.parametrize("method", LEARNED)
-def test_a_trained_drafter_predicts_its_target_and_changes_no_token(method, data, prompts, plain,
-                                                                     tmp_path) -> None:  # type: ignore[no-untyped-def]
-    out = tmp_path / method
-    # Two decoder layers where the architecture stacks them (the default is deeper): training
-    # and serving run the same code for any depth, at half the cost.
-    summary = train(build_parser().parse_args([*train_args(method, data, out, 120), *SHALLOW]))
-    assert summary["steps"] == 120
+def test_a_trained_drafter_predicts_its_target_and_changes_no_token(  # type: ignore[no-untyped-def]
+        method, trained, prompts, plain) -> None:
+    out = trained(method)
     assert (out / "model.safetensors").is_file() and (out / "train_log.json").is_file()
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "loss.png").is_file()
     core = core_for(method, num_speculative_tokens=K[method], draft_model=str(out))
-    # A few prompts first, whose figures the fused kernels below must reproduce, then the rest.
-    few = prompts[:3]
-    assert run_to_completion(core, few, GREEDY) == plain[:3]
-    torch_layers = core.stats()["spec"]["acceptance_per_position"]
-    assert run_to_completion(core, prompts[3:], GREEDY) == plain[3:]
+    assert run_to_completion(core, prompts, GREEDY) == plain
     spec = core.stats()["spec"]
     # An untrained drafter accepts next to nothing here; one that learned the target's answers
     # (and is served the way it was trained) accepts most of its drafts.
     assert spec["mean_acceptance_length"] > 2.0, spec
     # The fused kernels a GPU platform switches on (run here by Triton's interpreter, slowly: on
-    # a few prompts) draft the same tokens as the torch layers they replace.
-    fused = core_for(method, num_speculative_tokens=K[method], draft_model=str(out))
-    use_fused_kernels(fused.speculator.module)
-    assert run_to_completion(fused, few, GREEDY) == plain[:3]
-    assert fused.stats()["spec"]["acceptance_per_position"] == torch_layers
+    # the first steps of a few prompts) draft the same tokens as the torch layers they replace.
+    short = SamplingParams(max_tokens=FUSED_TOKENS, temperature=0, ignore_eos=True)
+    figures = []
+    for fuse in (False, True):
+        served = core_for(method, num_speculative_tokens=K[method], draft_model=str(out))
+        use_fused_kernels(served.speculator.module, fuse)
+        assert run_to_completion(served, prompts[:3], short) == [p[:FUSED_TOKENS] for p in plain[:3]]
+        spec = served.stats()["spec"]
+        figures.append({k: spec[k] for k in ("num_drafts", "num_accepted_tokens", "acceptance_per_position")})
+    torch_layers, fused = figures
+    assert torch_layers["num_drafts"] >= 6, torch_layers  # a few steps of each prompt
+    assert fused == torch_layers
 
 
 def test_training_resumes_where_it_stopped(data, tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "mtp"
-    train(build_parser().parse_args(train_args("mtp", data, out, 20)))
+    train(build_parser().parse_args([*train_args("mtp", data, out, 20), *NARROW]))
     first = json.loads((out / "train_log.json").read_text())["log"]
-    summary = train(build_parser().parse_args(train_args("mtp", data, out, 30)))
+    summary = train(build_parser().parse_args([*train_args("mtp", data, out, 30), *NARROW]))
     assert summary["steps"] == 30
     log = json.loads((out / "train_log.json").read_text())["log"]
     assert [e["step"] for e in log] == list(range(1, 31)) and log[:20] == first
@@ -111,11 +145,12 @@ def test_methods_trained_together_learn_what_each_learns_alone(data, tmp_path) -
     from safetensors.torch import load_file
 
     together = tmp_path / "together"
-    summary = train(build_parser().parse_args([*train_args("eagle3", data, together, 6), "--method", "causal_cascade"]))
+    summary = train(build_parser().parse_args([*train_args("eagle3", data, together, 6), "--method", "causal_cascade",
+                                               *NARROW]))
     assert {m: s["steps"] for m, s in summary["methods"].items()} == {"eagle3": 6, "causal_cascade": 6}
     for method in ("eagle3", "causal_cascade"):
         alone = tmp_path / method
-        train(build_parser().parse_args(train_args(method, data, alone, 6)))
+        train(build_parser().parse_args([*train_args(method, data, alone, 6), *NARROW]))
         want, got = (load_file(str(d / "model.safetensors")) for d in (alone, together / method))
         assert want.keys() == got.keys() and all((want[k] == got[k]).all() for k in want), method
         logs = [json.loads((d / "train_log.json").read_text())["log"] for d in (alone, together / method)]
@@ -202,7 +237,8 @@ def test_a_training_step_never_waits_for_the_device(data, tmp_path, monkeypatch)
     reads.calls.clear()
     others = [x for m in LEARNED[1:] for x in ("--method", m)]
     summary = train(build_parser().parse_args([*train_args(LEARNED[0], data, tmp_path, 4), *others, "--log-every", "3",
-                                               "--holdout", "0.3", "--eval-every", "2", "--save-every", "3"]))
+                                               "--holdout", "0.3", "--eval-every", "2", "--save-every", "3",
+                                               *SHALLOW, *NARROW]))
     assert len(steps) == 4 and all(s > 0 for s in steps)
     assert reads.calls == [], reads.calls
     for method in LEARNED:
@@ -241,7 +277,7 @@ def test_held_out_figures_are_logged_and_measuring_changes_nothing(data, tmp_pat
     from safetensors.torch import load_file
 
     often, rarely = tmp_path / "often", tmp_path / "rarely"
-    extra = ["--holdout", "0.3", "--eval-batches", "2"]
+    extra = ["--holdout", "0.3", "--eval-batches", "2", *SHALLOW, *NARROW]
     summary = train(build_parser().parse_args([*train_args("dflash", data, often, 12), *extra, "--eval-every", "5"]))
     train(build_parser().parse_args([*train_args("dflash", data, rarely, 12), *extra, "--eval-every", "1000"]))
     held = Sequences.load(data).split(0.3)[1]
@@ -257,11 +293,10 @@ def test_held_out_figures_are_logged_and_measuring_changes_nothing(data, tmp_pat
         train(build_parser().parse_args([*train_args("mtp", data, tmp_path / "bad", 1), "--holdout", "1"]))
 
 
-def test_training_can_start_from_a_checkpoint(data, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_training_can_start_from_a_checkpoint(data, trained, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from safetensors.torch import load_file
 
-    first, second = tmp_path / "first", tmp_path / "second"
-    train(build_parser().parse_args(train_args("eagle3", data, first, 20)))
+    first, second = trained("eagle3"), tmp_path / "second"
     # lr 0: the weights it starts from are the ones it writes (draft vocabulary included).
     train(build_parser().parse_args([*train_args("eagle3", data, second, 1), "--init", str(first), "--lr", "0"]))
     want, got = (load_file(str(d / "model.safetensors")) for d in (first, second))
@@ -270,15 +305,14 @@ def test_training_can_start_from_a_checkpoint(data, tmp_path) -> None:  # type: 
         train(build_parser().parse_args([*train_args("mtp", data, tmp_path / "mtp", 1), "--init", str(first)]))
 
 
-def test_a_grown_drafter_starts_as_its_checkpoint(data, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_grown_drafter_starts_as_its_checkpoint(data, trained, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """--init with --set METHOD.num_layers=N larger than the checkpoint's: the checkpoint's layers
     load and the added ones start as identities, so at lr 0 the grown drafter measures exactly the
     held-out loss of the one it grew from; only the named method grows."""
     from safetensors.torch import load_file
 
-    first, grown = tmp_path / "first", tmp_path / "grown"
+    first, grown = trained("dflash"), tmp_path / "grown"  # two decoder layers
     extra = ["--holdout", "0.3", "--eval-batches", "2"]
-    train(build_parser().parse_args([*train_args("dflash", data, first, 20), *extra, "--set", "num_layers=2"]))
     # The checkpoint as saved (bf16), measured as it is: what the grown one must match.
     before = train(build_parser().parse_args([*train_args("dflash", data, tmp_path / "same", 1), *extra,
                                               "--init", str(first), "--lr", "0"]))

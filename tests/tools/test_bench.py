@@ -197,10 +197,18 @@ def test_the_startup_sentence_on_host_load_follows_the_load(load: float, says: s
     assert says in text and "slows every phase" not in text
 
 
+# The decode, hostsync and prefill scenarios below check the report's keys, counts and comparisons,
+# not what the real model writes (its outputs are checked by the engine's tests): random:tiny
+# runs the same scenario code without the real model's ~200-token prefills. Its tokenizer has no
+# vocabulary for HumanEval's text, so every prompt is one token; greedy, the model then falls into
+# a loop from its fifth token on, which ngram drafts (and hence decode's 12 tokens, not 4).
+
+
 @pytest.mark.slow
 def test_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    report, rows = bench("decode", ["--platform", "cpu", "--max-tokens", "4", "--num-prompts", "2", "--repeats", "2",
-                                    "--concurrency", "1,2", "--speculator", "ngram", "--no-hf"], tmp_path, monkeypatch)
+    report, rows = bench("decode", ["--platform", "cpu", "--model", "random:tiny", "--max-tokens", "12",
+                                    "--num-prompts", "2", "--repeats", "2", "--concurrency", "1,2",
+                                    "--speculator", "ngram", "--no-hf"], tmp_path, monkeypatch)
     assert set(report) >= HEADER_KEYS | {"runs", "peers", "modes", "concurrency"}
     assert report["peers"] == {} and report["modes"] == ["inprocess"]
     runs = report["runs"]
@@ -211,7 +219,7 @@ def test_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert set(r) >= STREAM_KEYS | {"ratio_to_none", "identical_to_none", "ratio_to_peers", "ratio_to_vllm",
                                         "ttft_p99_ms", "longest_stall_ms"}
         assert r["identical_to_none"] == r["num_requests"]  # greedy float32: speculation changes no token
-        assert r["spec"]["num_k0_steps"] >= 0 and r["generated_tokens"] == 4 * r["num_requests"]
+        assert r["spec"]["num_k0_steps"] >= 0 and r["generated_tokens"] == 12 * r["num_requests"]
         assert r["longest_stall_ms"] >= 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"]
         rep = r["repeats"]  # two runs on the same engine; the row is the lower-median one's
         assert rep["n"] == 2 and len(rep["values"]) == 2 and r["tokens_per_s"] == rep["median"] == min(rep["values"])
@@ -224,9 +232,9 @@ def test_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.slow
 def test_hostsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    report, rows = bench("hostsync", ["--platform", "cpu", "--max-tokens", "4", "--num-prompts", "2", "--repeats", "1",
-                                      "--concurrency", "1", "--speculator-option", "num_layers=1"],
-                         tmp_path, monkeypatch)
+    report, rows = bench("hostsync", ["--platform", "cpu", "--model", "random:tiny", "--max-tokens", "4",
+                                      "--num-prompts", "2", "--repeats", "1", "--concurrency", "1",
+                                      "--speculator-option", "num_layers=1"], tmp_path, monkeypatch)
     assert set(report) >= HEADER_KEYS | {"speculator", "runs"}
     assert [r["force_host_drafts"] for r in report["runs"]] == [False, True]
     for r in report["runs"]:
@@ -239,8 +247,9 @@ def test_hostsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.slow
 def test_prefill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    report, rows = bench("prefill", ["--platform", "cpu", "--prompt-tokens", "48", "--num-prompts", "2",
-                                     "--concurrency", "1", "--repeats", "1"], tmp_path, monkeypatch)
+    report, rows = bench("prefill", ["--platform", "cpu", "--model", "random:tiny", "--prompt-tokens", "48",
+                                     "--num-prompts", "2", "--concurrency", "1", "--repeats", "1"],
+                         tmp_path, monkeypatch)
     runs = {(r["speculator"], r["skip_drafts"]): r for r in report["runs"]}
     assert list(runs) == [("none", None), ("ngram", True), ("ngram", False)]
     for r in runs.values():

@@ -105,7 +105,8 @@ def test_written_only_corpus_needs_no_engine(tmp_path: Path, capsys: pytest.Capt
 
 
 def test_a_target_without_a_chat_template_is_refused() -> None:
-    config = EngineConfig(model="random:tiny", platform="cpu", max_model_len=256, max_num_seqs=4)
+    # In this process: the refusal comes once the engine is up, and a process to start adds nothing.
+    config = EngineConfig(model="random:tiny", platform="cpu", max_model_len=256, max_num_seqs=4, in_process=True)
     with pytest.raises(InvalidInputError, match="no chat template"):
         chat.build_chat_corpus(4, written_share=0.0, config=config)
 
@@ -114,7 +115,9 @@ def test_a_target_without_a_chat_template_is_refused() -> None:
 def test_the_target_writes_requests_at_a_user_turn() -> None:
     """The real default model, sampled at its user turn on the CPU: what it writes and keeps
     passes the filters, is new, and comes out the same for the same seed."""
-    config = EngineConfig(model="smollm2-135m", platform="cpu", max_model_len=512, max_num_seqs=32)
+    # The engine core in this process: the same engine steps, without a process per build to start
+    # and import torch in.
+    config = EngineConfig(model="smollm2-135m", platform="cpu", max_model_len=512, max_num_seqs=32, in_process=True)
 
     def build(seed: int) -> tuple[list[str], dict[str, object]]:
         conversations, stats = chat.build_chat_corpus(6, seed, 0.5, config=config, max_tokens=48, concurrency=32)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import gzip
+import importlib.resources
 import json
 import re
 from pathlib import Path
@@ -63,6 +64,41 @@ def source(content: str, stub_set: set[str]) -> str:
 def ngrams(text: str, n: int = 13) -> set[tuple[str, ...]]:
     words = re.findall(r"[a-z0-9]+", text.lower())
     return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def test_prompt_data_file() -> None:
+    """The prompt data ships beside the module, well-formed, and the module reads it as it is."""
+    file = importlib.resources.files("speckernel.tools.train").joinpath(tc.PROMPTS_FILE)
+    assert file.is_file()
+    data = json.loads(file.read_text(encoding="utf-8"))
+    lists = ["humaneval_entry_points", "other_stub_templates", "programming_instructions", "general_instructions",
+             "openings", "closings"]
+    assert set(data) == {"about", "humaneval_template", *lists}
+    for key in lists:
+        assert isinstance(data[key], list) and data[key], key
+        assert all(isinstance(v, str) for v in data[key]) and len(set(data[key])) == len(data[key]), key
+    entry_points = data["humaneval_entry_points"]
+    assert all(name.isidentifier() for name in entry_points) and entry_points == sorted(entry_points)
+    requests = data["programming_instructions"] + data["general_instructions"]
+    assert all(r and r == r.strip() for r in requests) and len(set(requests)) == len(requests)
+    assert "" in data["openings"] and "" in data["closings"]  # a request also comes back with one side only
+    templates = [data["humaneval_template"], *data["other_stub_templates"]]
+    assert all("{stub}" in t and t.format(stub="S", name="N") for t in templates)
+
+    assert tc.prompts() is tc.prompts()  # read once
+    assert isinstance(tc.HUMANEVAL_ENTRY_POINTS, frozenset) and tc.HUMANEVAL_ENTRY_POINTS == set(entry_points)
+    assert tc.HUMANEVAL_TEMPLATE == data["humaneval_template"] == tc.STUB_TEMPLATES[0]
+    assert tc.STUB_TEMPLATES == tuple(templates)
+    assert tc.PROGRAMMING_INSTRUCTIONS == tuple(data["programming_instructions"])
+    assert tc.GENERAL_INSTRUCTIONS == tuple(data["general_instructions"])
+    assert tc.INSTRUCTIONS == tuple(requests)
+    assert (tc.OPENINGS, tc.CLOSINGS) == (tuple(data["openings"]), tuple(data["closings"]))
+
+    # No hand-written text asks for a HumanEval function: none defines, calls or quotes an entry point.
+    names = "|".join(map(re.escape, entry_points))
+    named = re.compile(rf"(?:\bdef\s+|`)(?:{names})\b|(?<![\w.])(?:{names})\s*\(", re.I)
+    for text in requests + templates + data["openings"] + data["closings"]:
+        assert not named.search(text) and not tc._DEFINES_BLOCKED.search(text), text
 
 
 def test_stubs_are_humaneval_shaped(stubs: list[str]) -> None:
@@ -213,8 +249,8 @@ def test_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "c.jsonl.gz"
     assert tc.main(["--out", str(out), "--count", "40", "--seed", "5"]) == 0
     assert tc.read_corpus(out) == tc.build_corpus(40, seed=5)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "40 conversations" in err[0] and "stdlib" in err[0]
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "40 conversations" in lines[0] and "stdlib" in lines[0]
     assert tc.main(["--out", str(out), "--count", "40", "--package", "jinja2", "--general-share", "0"]) == 0
     assert tc.read_corpus(out) == tc.build_corpus(40, packages=["jinja2"], general_share=0)
     err = capsys.readouterr().err

@@ -10,7 +10,8 @@ Two sources, each request one user turn:
   ends;
 * requests written for this module: task frames (`FRAMES`: an email to someone about something,
   an explanation of a topic for a reader, tips for an activity, ...) filled from lists of
-  everyday subjects (`SLOTS`).
+  everyday subjects (`SLOTS`). Both are data, not code: they live in `chat_frames.json` beside
+  this module (package data), read once on import.
 
 A request is kept only if it reads as a plausible one (`implausible`: whole, of a sensible
 length, words rather than symbols, no code, no markup) and is a different request from every one
@@ -26,6 +27,7 @@ the prompt. The corpus is the same for a seed, a target and a platform's samplin
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import random
 import re
@@ -44,7 +46,7 @@ from ...models.tokenizer import Tokenizer
 from ...progress import Progress
 from ...sampling_params import SamplingParams
 from ..general_chat import GENERAL_CHAT, content_words
-from .corpus import Conversation, write_corpus
+from .corpus import Conversation, read_data, texts, write_corpus
 
 WRITTEN_SHARE = 0.25
 OPENERS = ("", "", "", "Write", "Explain", "How", "What", "Can you", "Give me", "Help me", "I need", "Please",
@@ -135,145 +137,28 @@ class DistinctRequests:
         return reason is None
 
 
-FRAMES = (
-    "Write a {tone} email to {recipient} {email_about}.",
-    "Explain {topic} to {reader}.",
-    "Explain {topic} in simple terms.",
-    "Give me {few} tips for {activity}.",
-    "What are some good ways to get better at {activity}?",
-    "Write a short story about {character} who {event}.",
-    "Write a {form} about {poem_topic}.",
-    "What should I do if {situation}?",
-    "Summarise {summary_topic} in {length}.",
-    "Rewrite this sentence to sound {style}: \"{sentence}\"",
-    "What are the pros and cons of {choice}?",
-    "Plan {plan}.",
-    "Describe {scene} in a few vivid sentences.",
-    "What is the difference between {pair}?",
-    "How do I make {dish}?",
-    "Write a {message_kind} for {occasion}.",
-    "Translate \"{phrase}\" into {language}.",
-    "Suggest {few} names for {naming}.",
-    "Make a checklist for {checklist}.",
-    "I have {time_left} before {deadline}. How should I use it?",
-)
-"""Everyday tasks; each {slot} is filled from SLOTS."""
+FRAMES_FILE = "chat_frames.json"
+"""The task frames and what fills their slots, a file of this package (package data)."""
 
-SLOTS: dict[str, tuple[str, ...]] = {
-    "tone": ("polite", "friendly", "short", "formal", "warm", "firm but polite", "cheerful", "apologetic"),
-    "recipient": ("my landlord", "a new client", "my manager", "the school principal", "a hotel", "my neighbour",
-                  "a former colleague", "the city council", "a customer", "my book club", "a supplier",
-                  "my insurance company", "a recruiter", "the parents in my daughter's class"),
-    "email_about": ("asking for a day off next Friday", "about a late rent payment",
-                    "to reschedule our call to next week", "thanking them for their help with the move",
-                    "asking for a refund for a cancelled booking", "about a noisy party last weekend",
-                    "introducing myself as the new project lead", "asking for feedback on my presentation",
-                    "confirming the details of a furniture delivery", "declining an invitation to speak at an event",
-                    "following up on my job application", "asking to extend a deadline by a week",
-                    "about a billing mistake on my last invoice", "inviting them to our open day",
-                    "about a leak in the bathroom ceiling", "asking for a reference letter"),
-    "topic": ("how rainbows form", "why the ocean is salty", "how a heat pump warms a house",
-              "what inflation does to savings", "why we dream", "how glaciers shape valleys",
-              "how a bicycle stays upright", "what a stock market index is", "why iron rusts",
-              "how bread dough rises", "how satellite navigation finds your position", "why the moon has phases",
-              "how a solar panel makes electricity", "what causes thunder", "how a pin tumbler lock works",
-              "how interest on a loan adds up", "how a jury trial works", "why aeroplanes leave white trails",
-              "how coral reefs grow", "what a carbon footprint is", "how a compass points north",
-              "why some people are left-handed", "how recycling plants sort waste", "how vaccines are tested",
-              "what causes jet lag", "how a dam makes electricity", "why cheese has holes",
-              "how bees find their way home", "what happens to the body during a fever"),
-    "reader": ("a ten-year-old", "a complete beginner", "my grandmother", "a high-school student",
-               "someone who never studied science", "a busy parent", "a new employee"),
-    "few": ("three", "five", "seven", "ten"),
-    "activity": ("keeping a tidy kitchen", "saving money on groceries", "staying focused while studying",
-                 "travelling with a toddler", "starting a vegetable garden", "making friends in a new city",
-                 "giving a wedding speech", "staying warm in a cold flat", "getting back into exercise after an injury",
-                 "hosting a dinner party on a budget", "packing light for a long trip", "keeping a journal",
-                 "learning to cook", "speaking up in meetings", "caring for a new puppy", "cutting down screen time",
-                 "organising a small wardrobe", "decluttering before a move", "taking better photos with a phone",
-                 "remembering people's names", "drawing portraits", "negotiating the price of a used car",
-                 "waking up early", "drinking more water"),
-    "character": ("a retired sailor", "a girl who collects old keys", "a baker in a mountain village", "a lonely robot",
-                  "a cat that lives in a library", "two rival gardeners", "a night-shift nurse",
-                  "a boy who can talk to birds", "an old clock repairer", "a mail carrier on her last day",
-                  "a shy museum guard", "a grandmother who learns to surf"),
-    "event": ("finds a map inside a second-hand book", "gets lost in a snowstorm", "wins a prize they never entered",
-              "has to share a house with a stranger", "discovers a door that was not there yesterday",
-              "receives a letter from the future", "loses their voice before a big performance",
-              "must cross a river without a bridge", "is granted one wish", "meets a talking fox"),
-    "form": ("short poem", "haiku", "limerick", "four-line rhyme", "sonnet"),
-    "poem_topic": ("morning coffee", "a rainy Sunday", "an old friend", "the last day of summer",
-                   "a busy railway station", "a garden in spring", "a lost umbrella", "mountains at dawn",
-                   "a kitchen on a holiday", "the first day at a new job", "a lighthouse in fog",
-                   "a cat asleep in the sun"),
-    "situation": ("my neighbour's dog barks all night", "I forgot a close friend's birthday",
-                  "my flight is cancelled at the airport", "I can't stop procrastinating",
-                  "my teenager won't talk to me", "I feel nervous before every presentation",
-                  "my houseplants keep dying", "I get a parking fine I think is unfair",
-                  "a coworker takes credit for my work", "I lock myself out of my house",
-                  "I want to change careers at forty", "my car makes a strange rattling noise",
-                  "I can't decide between two job offers", "my flatmate never cleans up",
-                  "I lose my passport abroad", "my child is being bullied at school"),
-    "summary_topic": ("the story of Cinderella", "the history of the Olympic Games", "the plot of Hamlet",
-                      "the main ideas of minimalism", "the life of Leonardo da Vinci",
-                      "the causes of the Great Depression", "the story of the Trojan horse",
-                      "the main events of the Industrial Revolution", "the plot of Frankenstein",
-                      "the sinking of the Titanic", "the ideas behind the scientific method",
-                      "the history of the bicycle", "the life of Nelson Mandela", "the plot of Pride and Prejudice"),
-    "length": ("three sentences", "one paragraph", "five bullet points", "under 100 words"),
-    "style": ("more polite", "more confident", "friendlier", "more concise", "more formal", "more persuasive",
-              "simpler"),
-    "sentence": ("I need the files by tomorrow or the project is going to be late.",
-                 "Your order is delayed because of problems at our warehouse.",
-                 "We don't allow pets in the apartments, sorry.",
-                 "The meeting was long and nothing got decided.",
-                 "Can you fix the printer, it's broken again.",
-                 "I think maybe we could try a different approach if that's okay.",
-                 "Thanks for the gift, I liked it.",
-                 "Please stop leaving dishes in the sink.",
-                 "The new rules start next month and everyone has to follow them.",
-                 "I can't come in today because I'm sick."),
-    "choice": ("living in the city versus the countryside", "buying a used car versus a new one", "studying abroad",
-               "renting furniture", "taking a gap year before university", "working a four-day week",
-               "cooking at home versus eating out", "reading e-books versus paper books",
-               "travelling by train versus flying within Europe", "adopting an older dog",
-               "joining a gym versus exercising at home", "homeschooling", "owning a holiday home",
-               "having a joint bank account with a partner"),
-    "plan": ("a weekend trip to the mountains for two", "a surprise birthday party for my sister",
-             "a week of healthy packed lunches", "a day out in Rome with two children",
-             "a study schedule for final exams in three weeks", "a small wedding in a garden",
-             "a morning routine for a calm start to the day", "a charity bake sale at school",
-             "a road trip along the coast of Portugal", "a fitness routine for a busy parent",
-             "a housewarming party for twenty people", "a first date that is not dinner and a film"),
-    "scene": ("a market at dawn", "a thunderstorm over the sea", "a cosy bookshop", "a snowy village at night",
-              "a crowded beach in August", "an abandoned railway station", "a kitchen during a family dinner",
-              "a forest after rain", "a harbour at sunset", "a library during exam week"),
-    "pair": ("a lake and a pond", "baking soda and baking powder", "a cold and the flu", "a hurricane and a typhoon",
-             "a will and a trust", "an allergy and an intolerance", "jam and jelly", "a violin and a viola",
-             "a psychologist and a psychiatrist", "a frog and a toad", "a debit card and a credit card",
-             "a moth and a butterfly", "a town and a city", "a mushroom and a toadstool",
-             "a latte and a cappuccino"),
-    "dish": ("a simple tomato soup", "pancakes without eggs", "a mild vegetable curry", "pizza dough at home",
-             "lemonade from fresh lemons", "a fluffy omelette", "banana bread", "a quick noodle stir-fry",
-             "guacamole", "overnight oats", "a potato gratin", "a lentil salad"),
-    "message_kind": ("short text message", "card message", "toast", "social media post", "thank-you note"),
-    "occasion": ("a friend's new baby", "a colleague's retirement", "my brother's graduation",
-                 "a neighbour who helped during the storm", "our team's first product launch",
-                 "my parents' move to a new house", "a friend recovering from surgery",
-                 "the opening of a local café", "my grandparents' golden wedding anniversary"),
-    "phrase": ("Could I have the bill, please?", "What time does the museum open?",
-               "I am allergic to nuts.", "How much does this cost?", "Nice to meet you.",
-               "Is this seat taken?", "I would like to book a table for four."),
-    "language": ("French", "Spanish", "German", "Italian", "Portuguese", "Dutch"),
-    "naming": ("a dog-walking business", "a book club", "a family board-game night", "a small flower shop",
-               "a community garden", "a podcast about travel", "a running club", "a food truck selling tacos"),
-    "checklist": ("moving into a new flat", "a child's first day at school", "a week-long beach holiday",
-                  "selling a car privately", "preparing a house for winter", "a job interview",
-                  "hosting overnight guests", "starting a new job"),
-    "time_left": ("two hours", "one evening", "a week", "three days", "a month"),
-    "deadline": ("my driving test", "a job interview", "my sister's wedding", "a history exam",
-                 "guests arrive for dinner", "a half marathon", "I move abroad"),
-}
+
+@functools.cache
+def frames() -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
+    """FRAMES_FILE, read once: the frames, and the fillers of each slot they name."""
+    data = read_data(FRAMES_FILE)
+    slots = data.get("slots")
+    if not (isinstance(slots, dict) and slots):
+        raise ValueError(f"{FRAMES_FILE}: 'slots' must be a non-empty object")
+    fillers = {name: texts(slots, name, FRAMES_FILE) for name in slots}
+    tasks = texts(data, "frames", FRAMES_FILE)
+    unfilled = {name for task in tasks for _, name, _, _ in string.Formatter().parse(task) if name} - fillers.keys()
+    if unfilled:
+        raise ValueError(f"{FRAMES_FILE}: no fillers for the slots {sorted(unfilled)}")
+    return tasks, fillers
+
+
+FRAMES = frames()[0]
+"""Everyday tasks; each {slot} is filled from SLOTS."""
+SLOTS = frames()[1]
 """What fills each slot of FRAMES."""
 
 
