@@ -11,6 +11,8 @@ from speckernel.errors import InvalidSamplingParamsError
 from speckernel.kernel.grammars import Grammars
 from speckernel.sampling_params import SamplingParams, StructuredOutput
 
+pytestmark = pytest.mark.xdist_group(__name__)  # one worker builds the module's fixtures
+
 
 @pytest.fixture(scope="module")
 def grammars(tokenizer) -> Grammars:  # type: ignore[no-untyped-def]

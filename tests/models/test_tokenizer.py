@@ -6,7 +6,7 @@ import pytest
 
 from tests.conftest import PROMPTS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(__name__)]  # one worker builds the module's fixtures
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@ from speckernel.runner.step_graphs import SAMPLING_KINDS, StepGraphs, row_bucket
 from speckernel.runner.step_shape import DeviceOutputs, StepShape
 from speckernel.sampling_params import RowSampling
 
+pytestmark = pytest.mark.xdist_group(__name__)  # one worker builds the module's fixtures
+
 # The project's Triton kernels run on the GPU where there is one, in the interpreter elsewhere.
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK = 16

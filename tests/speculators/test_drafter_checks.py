@@ -23,7 +23,7 @@ from speckernel.speculators import learned
 from speckernel.speculators.eagle3 import Eagle3Speculator
 from speckernel.speculators.learned import SHIPPED_SHA256, WEIGHTS, check_weights, read_config
 
-pytestmark = pytest.mark.slow  # the default model's config (its file is cached once)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(__name__)]  # one worker builds the module's fixtures
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ import pytest
 
 from speckernel.tools.train import corpus as tc
 
+pytestmark = pytest.mark.xdist_group(__name__)  # one worker builds the module's fixtures
+
 FENCE = "```python\n"
 
 
