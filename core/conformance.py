@@ -1,7 +1,8 @@
 """Conformance suite for speculator authors: `check_speculator("my_drafter")` runs a plugin,
 found through its entry point, on the real default model and checks that
 
-- its capabilities are a frozen SpeculatorCapabilities with sane values, and a speculator that
+- its capabilities are a frozen SpeculatorCapabilities with sane values, its `propose` and
+  `sync` are one kind's (`InStepSpeculator` or `AfterStepSpeculator`), and a speculator that
   declares `trainable` has the training protocol (`TrainableSpeculator`);
 - what it proposes matches what it declares (shape, dtype, device, fixed or variable width,
   draft distributions when it declares sampled drafts);
@@ -24,9 +25,23 @@ import torch
 from . import registry
 from .config import EngineConfig
 from .engine.core import EngineCore
+from .errors import InvalidInputError
 from .models.checkpoint import load_tokenizer, resolve
-from .plugin import Drafts, Speculator, SpeculatorCapabilities, TargetStates, TrainableSpeculator
+from .plugin import (
+    AfterStepSpeculator,
+    DeferredDrafts,
+    DeviceStates,
+    Drafts,
+    HostRows,
+    InStepSpeculator,
+    Speculator,
+    SpeculatorCapabilities,
+    TrainableSpeculator,
+    drafting_kind,
+)
 from .progress import Progress, waiting
+from .runner.drafting import AfterStepDrafting, InStepDrafting
+from .runner.model_runner import ModelRunner
 from .sampling_params import SamplingParams
 from .wire.messages import AddRequest
 
@@ -47,6 +62,10 @@ def check_capabilities(cls: type[Speculator]) -> SpeculatorCapabilities:
     assert caps.lookahead_slots(caps.max_k) >= 0
     for method in ("propose", "sync", "check", "draft_kv_bytes_per_token", "capabilities_for"):
         assert callable(getattr(cls, method, None)), f"{cls.__name__} has no {method}() (SpeculatorBase has defaults)"
+    try:
+        drafting_kind(cls)
+    except InvalidInputError as e:
+        raise AssertionError(str(e)) from None
     assert not caps.trainable or issubclass(cls, TrainableSpeculator), (
         f"{cls.__name__} declares trainable but lacks new_drafter, read_checkpoint or save (TrainableSpeculator)")
     options = getattr(cls, "Options", None)
@@ -61,20 +80,56 @@ class _Recorder:
     def __init__(self, inner: Speculator) -> None:
         self.inner = inner
         self.capabilities = inner.capabilities
-        self.proposals: list[tuple[TargetStates, int, Drafts]] = []
+        self.proposals: list[tuple[DeviceStates, int, Drafts | DeferredDrafts]] = []
         self.syncs = 0
         self.rows_seen = 0
 
-    def propose(self, states: TargetStates, k: int) -> Drafts:
-        drafts = self.inner.propose(states, k)
+    def _proposed(self, states: DeviceStates, k: int, drafts: Drafts | DeferredDrafts) -> None:
         self.proposals.append((states, k, drafts))
         self.rows_seen += states.num_rows
-        return drafts
 
-    def sync(self, states: TargetStates) -> None:
+    def _synced(self, states: DeviceStates) -> None:
         self.syncs += 1
         self.rows_seen += states.num_rows
+
+
+class _InStepRecorder(_Recorder):
+    inner: InStepSpeculator
+
+    def propose(self, states: DeviceStates, k: int) -> Drafts:
+        drafts = self.inner.propose(states, k)
+        self._proposed(states, k, drafts)
+        return drafts
+
+    def sync(self, states: DeviceStates) -> None:
+        self._synced(states)
         self.inner.sync(states)
+
+
+class _AfterStepRecorder(_Recorder):
+    inner: AfterStepSpeculator
+
+    def propose(self, states: DeviceStates, rows: HostRows, k: int) -> Drafts | DeferredDrafts:
+        drafts = self.inner.propose(states, rows, k)
+        self._proposed(states, k, drafts)
+        return drafts
+
+    def sync(self, states: DeviceStates, rows: HostRows) -> None:
+        self._synced(states)
+        self.inner.sync(states, rows)
+
+
+def _record(runner: ModelRunner) -> _Recorder:
+    """Puts a recorder between the runner's drafting pass and its speculator."""
+    drafting = runner.drafting
+    if isinstance(drafting, InStepDrafting):
+        in_step = _InStepRecorder(drafting.speculator)
+        drafting.speculator = in_step  # type: ignore[assignment]  # a recorder wraps an instance: no class part
+        return in_step
+    assert isinstance(drafting, AfterStepDrafting), f"the runner drafts with {type(drafting).__name__}"
+    after = _AfterStepRecorder(drafting.speculator)
+    drafting.speculator = after  # type: ignore[assignment]  # a recorder wraps an instance: no class part
+    return after
 
 
 def _run(core: EngineCore, prompts: list[list[int]], params: SamplingParams,
@@ -121,8 +176,8 @@ def check_speculator(name: str, *, model: str = "smollm2-135m", k: int = 3, max_
         spec = EngineCore(msgspec.structs.replace(base, speculator=name, num_speculative_tokens=k,
                                                   draft_model=draft_model))
     assert spec.speculator is not None, f"the engine loaded no speculator {name!r}"
-    recorder = _Recorder(spec.speculator)
-    spec.runner.speculator = recorder  # type: ignore[union-attr]
+    assert isinstance(spec.runner, ModelRunner), "conformance runs one process"
+    recorder = _record(spec.runner)
     got, rows_run = _run(spec, ids, greedy, f"{what}: with it")
     assert recorder.rows_seen == rows_run, (
         f"the speculator saw {recorder.rows_seen} rows of the {rows_run} the runner executed")
@@ -133,21 +188,22 @@ def check_speculator(name: str, *, model: str = "smollm2-135m", k: int = 3, max_
                         f"{what}: a K=0 step")
     assert single == expected[0][:1], f"K=0 step changed the output: {single} != {expected[0][:1]}"
 
-    device = spec.runner.device  # type: ignore[union-attr]  # conformance runs one process
+    device = spec.runner.device
     for states, kk, drafts in recorder.proposals:
         n = states.num_rows
         t = drafts.token_ids
         assert tuple(t.shape) == (n, kk), f"propose returned shape {tuple(t.shape)}, want {(n, kk)}"
         assert t.dtype == torch.int64, f"draft ids must be int64, got {t.dtype}"
         assert t.device.type == device.type, f"drafts on {t.device}, engine on {device}"
-        t = t[states.samples_device.to(t.device)]  # a device_only speculator's host lists are empty
+        t = t[states.samples.to(t.device)]
         if caps.draft_width == "fixed":
             assert bool((t >= 0).all()), "a fixed-width speculator proposed a -1"
         else:
             neg = (t < 0).int()
             assert bool((neg.cummax(dim=1).values == neg).all()), "-1 may only end a variable-width row"
         if caps.sampled_drafts:
-            assert drafts.probs is not None and tuple(drafts.probs.shape[:2]) == (n, kk), \
+            probs = drafts.probs if isinstance(drafts, Drafts) else None
+            assert probs is not None and tuple(probs.shape[:2]) == (n, kk), \
                 "sampled_drafts needs draft probabilities [rows, K, vocab]"
     stats = spec.stats()["spec"]
     assert not stats["num_speculator_failures"], (  # the engine serves on without drafts: say why here

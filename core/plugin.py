@@ -1,15 +1,22 @@
-"""The speculator contract (v2): the one module a speculator plugin must import.
+"""The speculator contract (v3): the one module a speculator plugin must import.
 
 A speculator is a class registered under the `speckernel.speculators` entry point. It declares
 a frozen `SpeculatorCapabilities` and an `Options` struct; the kernel derives everything else
 from them (host copy of draft IDs or not, K=0 steps, KV slots and draft-KV memory to reserve).
 
+It is one of two kinds, and the methods it has say which (`drafting_kind` reads them once, when
+the class is loaded):
+- `InStepSpeculator`: `propose(states, k)` and `sync(states)` over `DeviceStates`, tensors only.
+  Its pass runs inside the step (and the step's captured graph), and the next step may be
+  launched before this one's accepted counts reach the host (run-ahead).
+- `AfterStepSpeculator`: `propose(states, rows, k)` and `sync(states, rows)`, with the step's
+  `HostRows` too. Its pass runs once the step's tokens reached the host; it is the only kind
+  that may return `DeferredDrafts` (drafts the host writes later, behind a gate).
+
 The runner calls the speculator for every row of every step, non-final prefill chunks
-included, with a `TargetStates`: `propose` when at least one row samples and the step may
-draft, `sync` otherwise (the K=0 pass). Everything a speculator knows about a request's tokens
-it reads from the kernel's token buffer; it keeps no copy of its own. A `device_only`
-speculator sees device tensors only (empty host lists), so the kernel can capture its pass in
-the step's graph and run ahead of the host.
+included: `propose` when at least one row samples and the step may draft, `sync` otherwise
+(the K=0 pass). Everything a speculator knows about a request's tokens it reads from the
+kernel's token buffer; it keeps no copy of its own.
 
 A speculator whose capabilities say `trainable` also has the training protocol
 (`TrainableSpeculator`), which `speckernel train-drafter` drives.
@@ -22,10 +29,11 @@ versioned with the kernel.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, Self, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, Self, TypeGuard, TypeVar, runtime_checkable
 
 import msgspec
 
@@ -40,11 +48,17 @@ if TYPE_CHECKING:  # annotations only: the contract itself runs no torch
     from .platform import HostGate
 
 __all__ = [
+    "AfterStepSpeculator",
     "AttentionBackend",
     "AttentionMetadata",
+    "DeferredDrafts",
+    "DeviceStates",
     "DrafterArchitecture",
+    "DraftingKind",
     "Drafts",
     "FitsVocabulary",
+    "HostRows",
+    "InStepSpeculator",
     "InvalidInputError",
     "ModelConfig",
     "NoOptions",
@@ -54,10 +68,11 @@ __all__ = [
     "SpeculatorCapabilities",
     "SpeculatorContext",
     "TargetModel",
-    "TargetStates",
     "TrainBatch",
     "TrainableDrafter",
     "TrainableSpeculator",
+    "drafting_kind",
+    "drafts_in_step",
 ]
 
 
@@ -76,25 +91,18 @@ class SpeculatorCapabilities(msgspec.Struct, frozen=True, kw_only=True):
     """Target layers whose output (the residual stream after the layer) it reads; captured
     only for these."""
     uses_target_kv: bool = False
-    """Reads the target's KV rows (handed over in `TargetStates.target`)."""
+    """Reads the target's KV rows (handed over in `DeviceStates.target`)."""
     uses_target_weights: bool = False
-    """Reads the target's embedding, final norm and head (`TargetStates.target`)."""
+    """Reads the target's embedding, final norm and head (`DeviceStates.target`)."""
     placement: Literal["local_last_stage", "remote"] = "local_last_stage"
     sampled_drafts: bool = False
     """Drafts are sampled from a distribution q that verification must see (draft_probs)."""
-    device_only: bool = False
-    """`propose` and `sync` read only the device tensors of TargetStates (its host lists are
-    empty), keep fixed shapes and never wait for the device. The kernel then runs them inside
-    the step's captured device graph, and launches the next step before this one's accepted
-    counts reach the host (run-ahead)."""
     trainable: bool = False
     """`speckernel train-drafter --method NAME` trains it: the class has the training protocol
     (`TrainableSpeculator`), and the checkpoint it writes is what `--draft-model` loads."""
     deferred: bool = False
-    """`propose` may return before its drafts exist: its `Drafts.ready` gate opens once the host
-    has written them. The kernel issues the device work that reads them (their copy, their
-    storage in the token buffer, the next step's inputs) behind that gate, after the next
-    step's host work, and waits at once only where the host needs the IDs. Fixed width only."""
+    """An `AfterStepSpeculator` whose `propose` returns `DeferredDrafts` (said for `speckernel
+    plugins` and the stats; the kernel reads the type of what `propose` returns)."""
 
     def lookahead_slots(self, k: int) -> int:
         return self.lookahead_slots_per_draft * k
@@ -134,12 +142,12 @@ class SpeculatorContext(Generic[OptionsT]):
     """Flat uint8 buffer of num_kv_blocks * block_size * draft_kv_bytes_per_token bytes, carved
     from the same budget as the target's KV cache and indexed by the target's block tables."""
     num_slots: int = 0
-    """Rows of the token buffer (`TargetStates.tokens`): per-slot state is indexed by slot."""
+    """Rows of the token buffer (`DeviceStates.tokens`): per-slot state is indexed by slot."""
     fused_kernels: bool = False
     """The platform runs the kernel's fused Triton ops (`speckernel.kit.fused_ops`) on this device: a speculator's
     layers may call them instead of their torch definitions."""
     host_gate: Callable[[float], HostGate] | None = None
-    """The platform's gate (timeout in seconds) for a `deferred` speculator's `Drafts.ready`: the
+    """The platform's gate (timeout in seconds) for `DeferredDrafts.ready`: the
     stream itself waits where it can (CUDA), the issuing thread elsewhere."""
     pin_memory: bool = False
     """Host staging memory should be pinned (the device copies from it asynchronously)."""
@@ -160,43 +168,31 @@ class TargetModel:
 
 
 @dataclass(frozen=True)
-class TargetStates:
-    """One step as the target saw it: every row, in frame order."""
+class DeviceStates:
+    """One step as the target saw it, on the device: every row, in frame order. Tensors only, of
+    shapes fixed by the step, so a pass that reads nothing else can be captured in its graph."""
 
     tokens: torch.Tensor
     """The token buffer [slots, width] (read only). Row i's confirmed tokens are
-    tokens[slots[i], :seq_lens[i]]; after `propose` the kernel writes the drafts right after."""
-    slots: list[int]
+    tokens[slot_index[i], :seq_lens[i]]; after `propose` the kernel writes the drafts right after."""
     slot_index: torch.Tensor
-    """[R] int64 on the device: the same slots."""
-    generations: list[int]
-    """A slot whose generation changed belongs to a new request: drop what was kept for it."""
-    start_pos: list[int]
-    """Position of each row's first query token."""
-    query_start: list[int]
-    """[R + 1] offsets of each row's query in the step's flattened tokens."""
+    """[R] int64: each row's slot. A slot whose generation changed belongs to a new request
+    (`HostRows.generations`; an in-step speculator keeps per-slot state that a prefill row
+    starting at position 0 resets)."""
     positions: torch.Tensor
     """[T] position of each query token."""
-    num_drafts: list[int]
-    """Drafts the step verified per row (they sit at the end of the row's query)."""
     accepted: torch.Tensor
-    """[R] int64 on the device: drafts accepted per row (0 for rows without drafts)."""
-    seq_lens: list[int]
-    """Confirmed tokens per row after this step. For a row that sampled, the newest token sits
-    at seq_lens[i] - 1 and its target KV is not written yet; for a prefill chunk, seq_lens[i]
-    is the end of the chunk."""
-    samples: list[bool]
-    """Rows that sampled a token: only their drafts can be verified later."""
-    sampling: list[RowSampling | None]
-    block_tables: list[list[int]]
+    """[R] int64: drafts accepted per row (0 for rows without drafts)."""
+    seq_lens: torch.Tensor
+    """[R] int64: confirmed tokens per row after this step, computed on the device from the
+    accepted counts (with run-ahead the host does not know them yet: a row planned before its
+    predecessor's accepted counts were known has its positions moved back on the device). For a
+    row that sampled, the newest token sits at seq_lens[i] - 1 and its target KV is not written
+    yet; for a prefill chunk, seq_lens[i] is the end of the chunk."""
+    samples: torch.Tensor
+    """[R] bool: rows that sampled a token (only their drafts can be verified later)."""
     hidden: dict[int, torch.Tensor]
     """Layer -> [T, H] output of the declared target layers, for the step's query tokens."""
-    seq_lens_device: torch.Tensor
-    """[R] int64 on the device: seq_lens, computed on the device from the accepted counts. With
-    run-ahead this is the only right one: a row planned before its predecessor's accepted
-    counts were known has its positions moved back on the device."""
-    samples_device: torch.Tensor
-    """[R] bool on the device: samples."""
     target: TargetModel | None = None
     attention: AttentionMetadata | None = None
     """The step's attention plan on the device (positions, cache slots, query offsets, context
@@ -209,21 +205,55 @@ class TargetStates:
         return self.slot_index.shape[0]
 
 
+@dataclass(frozen=True)
+class HostRows:
+    """The same step's rows on the host, for an `AfterStepSpeculator` (its pass runs once the
+    step's accepted counts reached the host)."""
+
+    slots: list[int]
+    generations: list[int]
+    """A slot whose generation changed belongs to a new request: drop what was kept for it."""
+    start_pos: list[int]
+    """Position of each row's first query token."""
+    query_start: list[int]
+    """[R + 1] offsets of each row's query in the step's flattened tokens."""
+    num_drafts: list[int]
+    """Drafts the step verified per row (they sit at the end of the row's query)."""
+    seq_lens: list[int]
+    """`DeviceStates.seq_lens`, on the host."""
+    samples: list[bool]
+    """`DeviceStates.samples`, on the host."""
+    sampling: list[RowSampling | None]
+    block_tables: list[list[int]]
+
+
 @dataclass
 class Drafts:
     token_ids: torch.Tensor
-    """[rows, K] int64 on the device, one row per TargetStates row (rows that did not sample
+    """[rows, K] int64 on the device, one row per `DeviceStates` row (rows that did not sample
     are ignored); -1 ends a variable-width row."""
     probs: torch.Tensor | None = None
     """[rows, K, vocab] draft distribution q, when capabilities.sampled_drafts."""
-    ready: HostGate | None = None
-    """Set by a `deferred` speculator: token_ids is host memory that the host fills later, and
-    this gate opens once it has (with -1 drafts when the proposal failed). The kernel calls
-    `enqueue()` and `wait()` before the work that reads token_ids, and never reads them earlier."""
 
 
-@runtime_checkable
+@dataclass
+class DeferredDrafts:
+    """What an `AfterStepSpeculator`'s `propose` may return before its drafts exist. The kernel
+    issues the device work that reads them (their copy, their storage in the token buffer, the
+    next step's inputs) behind `ready`, after the next step's host work, and waits at once only
+    where the host needs the IDs. No draft distribution: sampled drafts cannot be deferred."""
+
+    token_ids: torch.Tensor
+    """[rows, K] int64 host memory that the host fills later (-1 ends a row, or all of it when
+    the proposal failed)."""
+    ready: HostGate
+    """Opens once the host has written token_ids. The kernel calls `enqueue()` and `wait()`
+    before the work that reads them, and never reads them earlier."""
+
+
 class Speculator(Protocol):
+    """What every speculator has, whichever kind it is (`InStepSpeculator`, `AfterStepSpeculator`)."""
+
     name: ClassVar[str]
     capabilities: ClassVar[SpeculatorCapabilities]
     Options: ClassVar[type[msgspec.Struct]]
@@ -248,11 +278,61 @@ class Speculator(Protocol):
         `capabilities`). The kernel calls it after `check`."""
         ...
 
-    def propose(self, states: TargetStates, k: int) -> Drafts: ...
 
-    def sync(self, states: TargetStates) -> None:
+@runtime_checkable
+class InStepSpeculator(Speculator, Protocol):
+    """Drafts inside the step, from device tensors only: its passes keep fixed shapes and never
+    wait for the device, so the kernel captures them in the step's graph and runs ahead."""
+
+    def propose(self, states: DeviceStates, k: int) -> Drafts: ...
+
+    def sync(self, states: DeviceStates) -> None:
         """The K=0 pass: keep internal state in step without drafting."""
         ...
+
+
+@runtime_checkable
+class AfterStepSpeculator(Speculator, Protocol):
+    """Drafts after the step, once its tokens and accepted counts reached the host."""
+
+    def propose(self, states: DeviceStates, rows: HostRows, k: int) -> Drafts | DeferredDrafts: ...
+
+    def sync(self, states: DeviceStates, rows: HostRows) -> None:
+        """The K=0 pass: keep internal state in step without drafting."""
+        ...
+
+
+DraftingKind = Literal["in_step", "after_step"]
+
+_KINDS: dict[tuple[int, int], DraftingKind] = {(2, 1): "in_step", (3, 2): "after_step"}
+"""(propose's, sync's parameters after self) -> the kind they declare."""
+
+
+def _arity(method: Callable[..., object], unbound: bool) -> int:
+    """Parameters after self (a class's function has self, an instance's bound method has not)."""
+    return len(inspect.signature(method).parameters) - unbound
+
+
+def drafting_kind(speculator: object) -> DraftingKind:
+    """The kind a speculator class (or instance) declares by its `propose` and `sync`; raises
+    InvalidInputError for methods that are neither kind's."""
+    propose, sync = getattr(speculator, "propose", None), getattr(speculator, "sync", None)
+    name = getattr(speculator, "__name__", type(speculator).__name__)
+    if not callable(propose) or not callable(sync):
+        raise InvalidInputError(f"speculator {name} has no propose() or no sync()")
+    unbound = inspect.isclass(speculator)
+    kind = _KINDS.get((_arity(propose, unbound), _arity(sync, unbound)))
+    if kind is None:
+        raise InvalidInputError(
+            f"speculator {name}: propose(states, k) with sync(states) drafts inside the step; "
+            f"propose(states, rows, k) with sync(states, rows) after it; got propose{inspect.signature(propose)} "
+            f"and sync{inspect.signature(sync)}")
+    return kind
+
+
+def drafts_in_step(speculator: Speculator) -> TypeGuard[InStepSpeculator]:
+    """The speculator drafts inside the step (else after it: an `AfterStepSpeculator`)."""
+    return drafting_kind(speculator) == "in_step"
 
 
 @dataclass(frozen=True)

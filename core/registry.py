@@ -81,6 +81,11 @@ def describe() -> dict[str, dict[str, Any]]:
                 entry = {"entry_point": ep.value, "description": description(cls),
                          **msgspec.to_builtins(cls.capabilities)}
                 options = getattr(cls, "Options", None)
+                if kind == "speculator":  # in_step or after_step, as its propose and sync say
+                    # the speculator contract, read only where speculators are listed
+                    from .plugin import drafting_kind
+
+                    entry["drafting"] = drafting_kind(cls)
                 if options is not None:  # a speculator's options with their defaults
                     entry["options"] = {f.name: None if f.default is msgspec.NODEFAULT else f.default
                                         for f in msgspec.structs.fields(options)}

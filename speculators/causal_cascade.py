@@ -23,12 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from speckernel.plugin import (
+    DeviceStates,
     Drafts,
     InvalidInputError,
     ModelConfig,
     SpeculatorCapabilities,
     SpeculatorContext,
-    TargetStates,
     TrainBatch,
 )
 from speckernel.speculators import learned
@@ -208,7 +208,7 @@ class CausalCascadeSpeculator(learned.LearnedSpeculator[CausalCascadeOptions]):
     capabilities = SpeculatorCapabilities(
         draft_width="variable", supports_k0=True, max_k=15, lookahead_slots_per_draft=0,
         k0_pass="nothing: it reads the target's own KV when it drafts",
-        uses_target_kv=True, uses_target_weights=True, device_only=True, trainable=True)
+        uses_target_kv=True, uses_target_weights=True, trainable=True)
     Options = CausalCascadeOptions
     Module = CascadeModule
     module: CascadeModule
@@ -235,7 +235,7 @@ class CausalCascadeSpeculator(learned.LearnedSpeculator[CausalCascadeOptions]):
             raise InvalidInputError(f"causal_cascade: the drafter at {folder} has blocks of {cfg.block_size} "
                                     f"(at most {cfg.block_size - 1} drafts); got K={ctx.num_speculative_tokens}")
 
-    def block_logits(self, states: TargetStates, k: int) -> torch.Tensor:
+    def block_logits(self, states: DeviceStates, k: int) -> torch.Tensor:
         """[R, k, V] float32 logits of block positions 1..k of every row (garbage for rows that
         cannot run). Device tensors only, fixed shapes."""
         target, meta = states.target, states.attention
@@ -244,7 +244,7 @@ class CausalCascadeSpeculator(learned.LearnedSpeculator[CausalCascadeOptions]):
         m = self.module
         rows, bk = states.num_rows, k + 1
         width = states.tokens.shape[1]
-        anchor = (states.seq_lens_device.to(torch.int64) - 1).clamp(min=0)
+        anchor = (states.seq_lens.to(torch.int64) - 1).clamp(min=0)
         ids = states.tokens[states.slot_index, anchor.clamp(max=width - 1)].clamp(min=0)
         x = m.block_input(target.embed(ids), k)  # [R, bk, H]
         positions = (anchor[:, None] + torch.arange(bk, device=anchor.device)).clamp(max=m.max_len - 1)
@@ -264,11 +264,11 @@ class CausalCascadeSpeculator(learned.LearnedSpeculator[CausalCascadeOptions]):
         assert target.head is not None
         return target.head(hidden.reshape(rows * k, -1)).view(rows, k, -1)
 
-    def propose(self, states: TargetStates, k: int) -> Drafts:
-        ok = runnable(states.seq_lens_device, states.samples_device, k, self.module.max_len)
+    def propose(self, states: DeviceStates, k: int) -> Drafts:
+        ok = runnable(states.seq_lens, states.samples, k, self.module.max_len)
         if k == 0:
             return Drafts(torch.empty(states.num_rows, 0, dtype=torch.int64, device=ok.device))
         return Drafts(pick_drafts(self.block_logits(states, k), ok, self.options.min_prob))
 
-    def sync(self, states: TargetStates) -> None:
+    def sync(self, states: DeviceStates) -> None:
         return None  # no draft state: the target's own KV is the context

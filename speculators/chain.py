@@ -28,13 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from speckernel.plugin import (
+    DeviceStates,
     Drafts,
     ModelConfig,
     NoOptions,
     SpeculatorCapabilities,
     SpeculatorContext,
     TargetModel,
-    TargetStates,
     TrainBatch,
 )
 from speckernel.speculators.learned import (
@@ -139,7 +139,7 @@ class ChainModule(DrafterModule):
 class ChainSpeculator(LearnedSpeculator[NoOptions]):
     capabilities = SpeculatorCapabilities(draft_width="fixed", supports_k0=True, max_k=16,
                                           k0_pass="draft prefill: its layer writes the draft KV of the step's tokens",
-                                          lookahead_slots_per_draft=1, uses_target_weights=True, device_only=True,
+                                          lookahead_slots_per_draft=1, uses_target_weights=True,
                                           trainable=True)
 
     def __init__(self, ctx: SpeculatorContext) -> None:
@@ -148,7 +148,7 @@ class ChainSpeculator(LearnedSpeculator[NoOptions]):
         self.carry = torch.zeros(ctx.num_slots, self.cfg.hidden_size, dtype=ctx.dtype, device=ctx.device)
         """Per slot: the target's feature of the row's last accepted query token."""
 
-    def _catch_up(self, states: TargetStates) -> torch.Tensor:
+    def _catch_up(self, states: DeviceStates) -> torch.Tensor:
         """Runs the layer over the step's tokens (writing their draft KV); returns each row's
         feature of its last confirmed input token, which the chain and the next step start from."""
         meta, target = states.attention, states.target
@@ -174,30 +174,30 @@ class ChainSpeculator(LearnedSpeculator[NoOptions]):
         rows = states.slot_index.shape[0]
         starts = meta.query_start[:rows]
         start_pos = positions[starts.clamp(max=t - 1)]
-        offset = states.seq_lens_device - 1 - states.samples_device.long() - start_pos
+        offset = states.seq_lens - 1 - states.samples.long() - start_pos
         last = (starts + offset).clamp(0, t - 1)
         carried = feature[last]
         self.carry.index_copy_(0, states.slot_index, carried)
         return carried
 
     @torch.inference_mode()
-    def sync(self, states: TargetStates) -> None:
+    def sync(self, states: DeviceStates) -> None:
         self._catch_up(states)
 
     @torch.inference_mode()
-    def propose(self, states: TargetStates, k: int) -> Drafts:
+    def propose(self, states: DeviceStates, k: int) -> Drafts:
         feature = self._catch_up(states)
         meta, target = states.attention, states.target
         assert meta is not None and target is not None and target.embed is not None and self.kv is not None
         m: Any = self.module
         kv = self.kv[0]
         tables = meta.block_tables[: states.slot_index.shape[0]]
-        pos = (states.seq_lens_device - 1).clamp(min=0)
+        pos = (states.seq_lens - 1).clamp(min=0)
         token = states.tokens[states.slot_index, pos]
         bs = self.block_size
         drafts = []
         for _ in range(k):
-            slots = torch.where(states.samples_device, cache_slots(tables, pos, bs), -1)
+            slots = torch.where(states.samples, cache_slots(tables, pos, bs), -1)
             lens = pos + 1
 
             def attend(q: torch.Tensor, key: torch.Tensor, v: torch.Tensor,

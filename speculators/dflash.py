@@ -30,13 +30,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from speckernel.plugin import (
+    DeviceStates,
     Drafts,
     InvalidInputError,
     ModelConfig,
     SpeculatorCapabilities,
     SpeculatorContext,
     TargetModel,
-    TargetStates,
     TrainBatch,
 )
 from speckernel.speculators.learned import (
@@ -233,7 +233,7 @@ class BlockSpeculator(LearnedSpeculator[BlockOptionsT]):
 
     capabilities = SpeculatorCapabilities(draft_width="variable", supports_k0=True, max_k=15,
                                           k0_pass="stores the context K/V of the step's tokens",
-                                          lookahead_slots_per_draft=2, uses_target_weights=True, device_only=True,
+                                          lookahead_slots_per_draft=2, uses_target_weights=True,
                                           trainable=True)
     Module = DFlashDrafter
     module: DFlashDrafter
@@ -253,10 +253,10 @@ class BlockSpeculator(LearnedSpeculator[BlockOptionsT]):
             raise InvalidInputError(f"{cls.name}: this drafter's block of {cfg.block_size} drafts at most "
                                     f"{cfg.block_size - 1} tokens; got K={ctx.num_speculative_tokens}")
 
-    def sync(self, states: TargetStates) -> None:
+    def sync(self, states: DeviceStates) -> None:
         self._write_context(states)
 
-    def propose(self, states: TargetStates, k: int) -> Drafts:
+    def propose(self, states: DeviceStates, k: int) -> Drafts:
         self._write_context(states)
         assert states.target is not None
         hidden, anchor = self._block(states, k)
@@ -267,7 +267,7 @@ class BlockSpeculator(LearnedSpeculator[BlockOptionsT]):
         """[R, K] bool: which drafts pass the options' cut (trim ends a row at its first False)."""
         raise NotImplementedError
 
-    def _write_context(self, states: TargetStates) -> None:
+    def _write_context(self, states: DeviceStates) -> None:
         """Context K/V of every token of the step into each layer's draft KV, at its cache slot."""
         meta = states.attention
         assert meta is not None and self.kv is not None
@@ -277,18 +277,18 @@ class BlockSpeculator(LearnedSpeculator[BlockOptionsT]):
             k, v = self.module.context_kv(i, feat, cos, sin)
             self.attention.write(k, v, self.kv[i], meta.slot_mapping)
 
-    def _block(self, states: TargetStates, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _block(self, states: DeviceStates, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The block pass for every row: ([R, k, H] final-norm hidden of positions 1..k, anchors [R])."""
         meta, target = states.attention, states.target
         assert meta is not None and target is not None and target.embed is not None and self.kv is not None
         width = states.tokens.shape[1]
-        a0 = (states.seq_lens_device - 1).clamp(0, width - 1)  # padding rows: anything valid
+        a0 = (states.seq_lens - 1).clamp(0, width - 1)  # padding rows: anything valid
         anchor = states.tokens[states.slot_index, a0]
         rows, n = a0.shape[0], k + 1
         pos = a0[:, None] + torch.arange(n, device=a0.device)  # [R, n]
         tables = meta.block_tables
         bs = self.block_size
-        slots = torch.where(states.samples_device[:, None], cache_slots(tables, pos, bs), -1).reshape(-1)
+        slots = torch.where(states.samples[:, None], cache_slots(tables, pos, bs), -1).reshape(-1)
         # One query per block position, each with its row's table; it sees the context < a0
         # and the whole block (expand, not repeat_interleave: no output size to compute).
         query_tables = tables[:, None].expand(rows, n, tables.shape[1]).reshape(rows * n, -1)

@@ -23,13 +23,14 @@ import torch
 
 from speckernel.kit import load_model, read_config, resolve_model, target_noise
 from speckernel.plugin import (
+    DeviceStates,
     Drafts,
+    HostRows,
     InvalidInputError,
     ModelConfig,
     SpeculatorBase,
     SpeculatorCapabilities,
     SpeculatorContext,
-    TargetStates,
 )
 
 
@@ -91,7 +92,7 @@ class DraftModelSpeculator(SpeculatorBase):
         cfg = cls._draft_config(ctx)
         return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=ctx.dtype).element_size()
 
-    def _catch_up(self, states: TargetStates) -> torch.Tensor:
+    def _catch_up(self, states: DeviceStates, rows: HostRows) -> torch.Tensor:
         """Feeds each row's confirmed tokens not yet in the draft KV; returns the logits at
         each row's last confirmed position."""
         chunks: list[tuple[int, int, list[int]]] = []
@@ -99,7 +100,7 @@ class DraftModelSpeculator(SpeculatorBase):
         pos_of: list[int] = []
         accepted = states.accepted.tolist()
         for i in range(states.num_rows):
-            slot, gen, end = states.slots[i], states.generations[i], states.seq_lens[i]
+            slot, gen, end = rows.slots[i], rows.generations[i], rows.seq_lens[i]
             kv = self.slots.get(slot)
             if kv is None or kv.generation != gen:
                 kv = self.slots[slot] = SlotKV(gen)
@@ -107,20 +108,20 @@ class DraftModelSpeculator(SpeculatorBase):
             # (Nothing is stored before the forward runs, so a step that fails and runs again
             # computes the same.)
             start = min(kv.valid + accepted[i], kv.drafted_end, end - 1)
-            chunks.append((start, end - start, states.block_tables[i]))
+            chunks.append((start, end - start, rows.block_tables[i]))
             slot_of += [slot] * (end - start)
             pos_of += range(start, end)
         ids = states.tokens[torch.tensor(slot_of, device=self.device), torch.tensor(pos_of, device=self.device)]
         hidden = self.model(ids, self.kv, self.attention.prepare(chunks))
-        for slot, end in zip(states.slots, states.seq_lens, strict=True):  # only once the KV is written
+        for slot, end in zip(rows.slots, rows.seq_lens, strict=True):  # only once the KV is written
             self.slots[slot].valid = self.slots[slot].drafted_end = end
         last = torch.tensor([c[1] for c in chunks], device=self.device).cumsum(0) - 1
         return self.model.logits(hidden[last])
 
     @torch.inference_mode()
-    def propose(self, states: TargetStates, k: int) -> Drafts:
-        logits = self._catch_up(states)
-        rows = [i for i in range(states.num_rows) if states.samples[i]]
+    def propose(self, states: DeviceStates, host: HostRows, k: int) -> Drafts:
+        logits = self._catch_up(states, host)
+        rows = [i for i in range(states.num_rows) if host.samples[i]]
         drafts = torch.zeros(states.num_rows, k, dtype=torch.int64, device=self.device)
         idx = torch.tensor(rows, device=self.device)
         logits = logits[idx]
@@ -132,19 +133,19 @@ class DraftModelSpeculator(SpeculatorBase):
         for j in range(k):
             step = logits.argmax(-1)  # greedy rows
             for n, i in enumerate(rows):
-                s = states.sampling[i]
+                s = host.sampling[i]
                 if s is not None and s.temperature != 0.0:
                     q = (logits[n].float() / s.temperature).softmax(-1)
                     noise = target_noise(s.seed, s.position + accepted[i] + 1 + j, q.shape[-1], self.device)
                     step[n] = (q / noise).argmax()
             drafts[idx, j] = step
             if j + 1 < k:
-                meta = self.attention.prepare([(states.seq_lens[i] + j, 1, states.block_tables[i]) for i in rows])
+                meta = self.attention.prepare([(host.seq_lens[i] + j, 1, host.block_tables[i]) for i in rows])
                 logits = self.model.logits(self.model(step, self.kv, meta))
         for i in rows:
-            self.slots[states.slots[i]].drafted_end = states.seq_lens[i] + k - 1
+            self.slots[host.slots[i]].drafted_end = host.seq_lens[i] + k - 1
         return Drafts(drafts)
 
     @torch.inference_mode()
-    def sync(self, states: TargetStates) -> None:
-        self._catch_up(states)
+    def sync(self, states: DeviceStates, rows: HostRows) -> None:
+        self._catch_up(states, rows)

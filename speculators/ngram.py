@@ -2,7 +2,7 @@
 request's last n tokens. Needs no model; variable width (it may find fewer than K). It keeps
 no state: each proposal reads the request's history from the kernel's token buffer.
 
-It is `device_only`: the lookup runs on the device, over every row and every position of the
+It is an `InStepSpeculator`: the lookup runs on the device, over every row and every position of the
 token buffer's fixed width at once (R x width compares per suffix length, a handful of
 lengths), with shapes that never depend on the data. Nothing is copied to the host and nothing
 waits for the device, so the kernel can capture propose inside the step's graph and run ahead
@@ -17,12 +17,12 @@ import numpy as np
 import torch
 
 from speckernel.plugin import (
+    DeviceStates,
     Drafts,
     InvalidInputError,
     SpeculatorBase,
     SpeculatorCapabilities,
     SpeculatorContext,
-    TargetStates,
 )
 
 
@@ -83,7 +83,7 @@ class NgramOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class NgramSpeculator(SpeculatorBase):
     name = "ngram"
-    capabilities = SpeculatorCapabilities(draft_width="variable", supports_k0=True, max_k=16, device_only=True,
+    capabilities = SpeculatorCapabilities(draft_width="variable", supports_k0=True, max_k=16,
                                           k0_pass="nothing: it reads the token buffer when it drafts")
     Options = NgramOptions
 
@@ -98,11 +98,10 @@ class NgramSpeculator(SpeculatorBase):
             raise InvalidInputError(f"ngram: prompt_lookup_min ({o.prompt_lookup_min}) exceeds "
                                     f"prompt_lookup_max ({o.prompt_lookup_max})")
 
-    def propose(self, states: TargetStates, k: int) -> Drafts:
-        # Device tensors only: the host lists of a device_only speculator's states are empty.
-        return Drafts(lookup_device(states.tokens, states.slot_index, states.seq_lens_device,
-                                    states.samples_device, k, self.options.prompt_lookup_max,
+    def propose(self, states: DeviceStates, k: int) -> Drafts:
+        return Drafts(lookup_device(states.tokens, states.slot_index, states.seq_lens,
+                                    states.samples, k, self.options.prompt_lookup_max,
                                     self.options.prompt_lookup_min))
 
-    def sync(self, states: TargetStates) -> None:
+    def sync(self, states: DeviceStates) -> None:
         return None  # nothing to keep in step: the history lives in the token buffer

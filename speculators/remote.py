@@ -47,12 +47,14 @@ import zmq.auth
 
 from speckernel.kit import Decoder, Encoder, drafter_wire, logger, to_device
 from speckernel.plugin import (
+    DeferredDrafts,
+    DeviceStates,
     Drafts,
+    HostRows,
     InvalidInputError,
     SpeculatorBase,
     SpeculatorCapabilities,
     SpeculatorContext,
-    TargetStates,
 )
 
 wire = drafter_wire
@@ -384,7 +386,7 @@ def describe(ctx: SpeculatorContext) -> tuple[SpeculatorCapabilities, Link]:
     caps = msgspec.convert(described.capabilities, SpeculatorCapabilities)
     fixed = caps.draft_width == "fixed"
     return msgspec.structs.replace(
-        caps, placement="remote", device_only=False, trainable=False, uses_target_weights=False,
+        caps, placement="remote", trainable=False, uses_target_weights=False,
         uses_target_kv=False, lookahead_slots_per_draft=0, deferred=options.deferred and fixed,
         k0_pass=f"the served {described.method}'s: {caps.k0_pass}"), link
 
@@ -483,36 +485,35 @@ class RemoteSpeculator(SpeculatorBase):
 
     # --- the kernel's calls -------------------------------------------------------------------
 
-    def sync(self, states: TargetStates) -> None:
-        index = self._served_rows(states)
+    def sync(self, states: DeviceStates, rows: HostRows) -> None:
+        index = self._served_rows(rows)
         if not index:
             return
-        call = self._call("ingest", states, index)
+        call = self._call("ingest", rows, index)
         self.counters["num_ingests"] += 1
-        self.link.submit(call, self._step(call, states, index))
+        self.link.submit(call, self._step(call, states, rows, index))
 
-    def propose(self, states: TargetStates, k: int) -> Drafts:
+    def propose(self, states: DeviceStates, rows: HostRows, k: int) -> Drafts | DeferredDrafts:
         start = time.perf_counter()
         self._harvest()
-        rows = states.num_rows
-        staging = torch.full((rows, k), -1, dtype=torch.int64, pin_memory=self.pin and self.deferred)
-        index = self._served_rows(states)
+        staging = torch.full((states.num_rows, k), -1, dtype=torch.int64, pin_memory=self.pin and self.deferred)
+        index = self._served_rows(rows)
         gate = self.gate(2 * self.options.timeout_ms / 1e3 + 1.0) if self.deferred and self.gate else None
-        self.counters["num_rows_unspeculated"] += sum(states.samples) - sum(states.samples[i] for i in index)
+        self.counters["num_rows_unspeculated"] += sum(rows.samples) - sum(rows.samples[i] for i in index)
         if not index:
             if gate is not None:
                 gate.open()
-                return Drafts(staging, ready=gate)
+                return DeferredDrafts(staging, gate)
             return Drafts(staging.to(self.device))
-        call = self._call("propose", states, index)
+        call = self._call("propose", rows, index)
         call.staging, call.gate = staging.numpy(), gate
         call.at["start"] = start
         self.counters["num_proposals"] += 1
-        self.link.submit(call, self._step(call, states, index, k))
+        self.link.submit(call, self._step(call, states, rows, index, k))
         if gate is not None:
             self.counters["num_deferred"] += 1
             self.awaiting.append(call)
-            return Drafts(staging, ready=gate)
+            return DeferredDrafts(staging, gate)
         waiting = time.perf_counter()
         call.done.wait(2 * self.options.timeout_ms / 1e3 + 1.0)
         self._timed(call, time.perf_counter(), waiting)
@@ -520,20 +521,20 @@ class RemoteSpeculator(SpeculatorBase):
 
     # --- rows ---------------------------------------------------------------------------------
 
-    def _served_rows(self, states: TargetStates) -> list[int]:
+    def _served_rows(self, rows: HostRows) -> list[int]:
         """Rows the server holds the state of: their request began while the link was up with
         the session still up, and none of its calls failed. A slot with a new owner is freed."""
         freed: list[tuple[int, int]] = []
         session = self.link.session if self.link.up else 0
         index = []
-        for i, (slot, generation) in enumerate(zip(states.slots, states.generations, strict=True)):
+        for i, (slot, generation) in enumerate(zip(rows.slots, rows.generations, strict=True)):
             owner = self.owner.get(slot)
             if owner is None or owner[0] != generation:
                 if owner is not None and owner[1]:
                     freed.append((slot, owner[0]))
                     self.unspeculated.discard((slot, owner[0]))
                 # A request's first row starts at position 0: only then can the server catch up.
-                owner = (generation, session if states.start_pos[i] == 0 else 0)
+                owner = (generation, session if rows.start_pos[i] == 0 else 0)
                 self.owner[slot] = owner
             if owner[1] and owner[1] == session and (slot, generation) not in self.unspeculated:
                 index.append(i)
@@ -543,27 +544,27 @@ class RemoteSpeculator(SpeculatorBase):
             self.link.submit(call, wire.Free(call.call_id, [s for s, _ in freed], [g for _, g in freed]))
         return index
 
-    def _call(self, kind: str, states: TargetStates, index: list[int]) -> Call:
-        return Call(self.link.next_id(), kind, [(states.slots[i], states.generations[i]) for i in index], index)
+    def _call(self, kind: str, rows: HostRows, index: list[int]) -> Call:
+        return Call(self.link.next_id(), kind, [(rows.slots[i], rows.generations[i]) for i in index], index)
 
-    def _step(self, call: Call, states: TargetStates, index: list[int], k: int = 0) -> Any:
+    def _step(self, call: Call, states: DeviceStates, host: HostRows, index: list[int], k: int = 0) -> Any:
         """The step's rows `index` as the server needs them: their rows, token spans and hidden
         states. What lives on the device (the spans' tokens, the declared layers' hidden states)
         is gathered and packed there and read back in one copy, into pinned memory the request's
         frames then point into; the accepted counts come from the host's own figures."""
-        qs, start, seq = states.query_start, states.start_pos, states.seq_lens
+        qs, start, seq = host.query_start, host.start_pos, host.seq_lens
         rows, slots, positions = [], [], []
         for i in index:
             n = qs[i + 1] - qs[i]
             lo, hi = start[i], max(start[i] + n, seq[i])
             # A row that sampled confirmed its context before the drafts, the drafts it accepted
             # and one token more: seq_lens says how many it accepted, no device read needed.
-            accepted = seq[i] - (lo + n - states.num_drafts[i]) - 1 if states.samples[i] else 0
-            rows.append(wire.Row(slot=states.slots[i], generation=states.generations[i], start_pos=lo,
-                                 num_tokens=n, num_drafts=states.num_drafts[i], accepted=accepted,
-                                 seq_len=seq[i], samples=states.samples[i], tokens_from=lo, num_new_tokens=hi - lo,
-                                 sampling=states.sampling[i]))
-            slots.append(np.full(hi - lo, states.slots[i], np.int64))
+            accepted = seq[i] - (lo + n - host.num_drafts[i]) - 1 if host.samples[i] else 0
+            rows.append(wire.Row(slot=host.slots[i], generation=host.generations[i], start_pos=lo,
+                                 num_tokens=n, num_drafts=host.num_drafts[i], accepted=accepted,
+                                 seq_len=seq[i], samples=host.samples[i], tokens_from=lo, num_new_tokens=hi - lo,
+                                 sampling=host.sampling[i]))
+            slots.append(np.full(hi - lo, host.slots[i], np.int64))
             positions.append(np.arange(lo, hi, dtype=np.int64))
         n_tokens = sum(len(p) for p in positions)
         take = [] if len(index) == states.num_rows else [np.arange(qs[i], qs[i + 1], dtype=np.int64) for i in index]
@@ -579,10 +580,10 @@ class RemoteSpeculator(SpeculatorBase):
         dtype = str(states.hidden[self.layers[0]].dtype).removeprefix("torch.") if self.layers else "float32"
         packed = torch.cat(parts) if len(parts) > 1 else parts[0]
         if self.pin:  # one device-to-host copy
-            host = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True).copy_(packed)
+            staged = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True).copy_(packed)
         else:
-            host = packed.cpu()
-        buf = host.numpy()
+            staged = packed.cpu()
+        buf = staged.numpy()
         tokens = buf[: 8 * n_tokens].view(np.int64)
         hidden, offset = [], 8 * n_tokens
         carrier = np.dtype(wire.HIDDEN_CARRIERS.get(dtype, "float32"))

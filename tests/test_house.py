@@ -207,3 +207,27 @@ def function_imports(name: str) -> list[tuple[int, str]]:
 def test_each_import_inside_a_function_says_why(name: str) -> None:
     silent = [line for line, why in function_imports(name) if not why]
     assert not silent, f"{MODULES[name].relative_to(ROOT)}: imports inside functions without a why at lines {silent}"
+
+
+def names_used(node: ast.AST) -> set[str]:
+    """Every name a piece of code imports or reads (`HostRows`, `plugin.HostRows`)."""
+    found: set[str] = set()
+    for inner in ast.walk(node):
+        if isinstance(inner, ast.ImportFrom):
+            found |= {a.name for a in inner.names}
+        elif isinstance(inner, ast.Name):
+            found.add(inner.id)
+        elif isinstance(inner, ast.Attribute):
+            found.add(inner.attr)
+    return found
+
+
+def test_in_step_drafting_never_sees_host_rows() -> None:
+    """A speculator that drafts inside the step reads device tensors only: in the runner, only the
+    drafting passes' module names the step's host rows (`HostRows`), and there neither the
+    in-step pass nor the no-drafting one does; the after-step pass does (or the rule checks nothing)."""
+    runner = [m for m in MODULES if role(m) == "runner"]
+    assert {m for m in runner if "HostRows" in names_used(tree(m))} == {"speckernel.runner.drafting"}
+    classes = {node.name: node for node in tree("speckernel.runner.drafting").body if isinstance(node, ast.ClassDef)}
+    assert "HostRows" not in names_used(classes["InStepDrafting"]) | names_used(classes["NoDrafting"])
+    assert "HostRows" in names_used(tree("speckernel.runner.drafting")) - names_used(classes["InStepDrafting"])

@@ -25,6 +25,7 @@ from ..config import CONTEXT_CAP, DTYPE_NAMES, EngineConfig
 from ..errors import InvalidInputError, PlatformUnavailableError, UnknownModelError, UnknownPluginError
 from ..models.builtin import BUILTIN_MODELS
 from ..models.checkpoint import read_config, resolve
+from ..plugin import drafting_kind
 
 Spell = Callable[[str], str]
 """How a caller names a config field in its messages (the CLI: by its flag)."""
@@ -77,6 +78,7 @@ def check(config: EngineConfig, spell: Spell = field_name) -> Checked:
     cls = options = None
     if config.speculator is not None:
         cls = registry.load("speculator", config.speculator)
+        drafting_kind(cls)  # its propose and sync declare which kind of speculator it is, or it is refused here
         k, max_k = config.num_speculative_tokens, cls.capabilities.max_k
         if k > max_k:  # K >= 1 with a speculator: validate checked it
             raise InvalidInputError(f"{spell('num_speculative_tokens')}: speculator {config.speculator!r} drafts "

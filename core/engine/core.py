@@ -34,7 +34,7 @@ from ..models.loader import load_model
 from ..models.paged import kv_bytes_per_block
 from ..ops.jit_watch import WATCH as JIT_WATCH
 from ..platform import parse_dtype
-from ..plugin import Speculator, SpeculatorCapabilities
+from ..plugin import Speculator, SpeculatorCapabilities, drafting_kind
 from ..runner.model_runner import ModelRunner, PendingStep
 from ..runner.step_graphs import StepGraphs, prefill_buckets, prompt_batch_buckets, warm_eager
 from ..sampling_params import NO_PIPELINE_LOGPROBS
@@ -100,7 +100,9 @@ class EngineCore:
                                                     max_rows=config.max_num_seqs + 1,
                                                     max_blocks=kv.blocks_per_request(k),
                                                     batch_invariant=config.batch_invariant)
-        policy = spec_policy(caps, attention, config)
+        self.drafts_in_step = spec is not None and drafting_kind(spec.cls) == "in_step"
+        """The speculator drafts inside the step (its pass is in the step's graphs): an `InStepSpeculator`."""
+        policy = spec_policy(caps, attention, config, in_step=self.drafts_in_step)
         pipeline = config.pipeline_parallel_size > 1
         self.speculator: Speculator | None = None
         self.runner: ModelRunner | Pipeline
@@ -174,7 +176,7 @@ class EngineCore:
         """The speculation governor, with its step costs timed on the captured graphs where the
         speculator drafts inside the step (its whole cost is in them); None where it is off."""
         adaptive, graphs = self.config.adaptive_speculation, getattr(self.runner, "graphs", None)
-        timed = caps is not None and caps.device_only and graphs is not None
+        timed = caps is not None and self.drafts_in_step and graphs is not None
         if caps is None or adaptive is False or (adaptive is None and not timed):
             return None
         governor = SpecGovernor()
@@ -211,12 +213,6 @@ class EngineCore:
             return None
         if self.config.pipeline_parallel_size > 1:  # what the class declared was checked before; now this target's
             check_pipeline(self.config, self.model_cfg.num_layers, spec.cls, caps=spec.caps)
-        caps = spec.caps
-        # A `remote` speculator runs its drafter elsewhere: the kernel serves it as any host-side one.
-        if caps.deferred and (caps.draft_width != "fixed" or caps.device_only or caps.sampled_drafts):
-            raise InvalidInputError(f"speculator {self.config.speculator!r} declares deferred drafts, which the "
-                                    "kernel resolves for fixed-width, host-side speculators without draft "
-                                    "probabilities only")
         return spec
 
     def _build_speculator(self, spec: Speculation, kv: KvPlan) -> Speculator:
@@ -232,7 +228,7 @@ class EngineCore:
             return None
         max_tokens = min(config.max_num_batched_tokens, self.max_model_len)
         graphs = StepGraphs(runner, self.platform, config.max_num_seqs, verify_widths=(0, k),
-                            propose_widths=(0, k) if caps is not None and caps.device_only else (0,),
+                            propose_widths=(0, k) if self.drafts_in_step else (0,),
                             prefill_tokens=prefill_buckets(max_tokens),
                             prompt_batches=prompt_batch_buckets(config.max_num_seqs, config.max_num_batched_tokens)
                             if config.prompts_apart and config.prompt_batches else ())

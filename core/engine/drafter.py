@@ -3,7 +3,7 @@
 `DrafterHost` loads the speculator named by `--method` for one target and keeps, per slot of
 the engine it serves, what the kernel would have kept for it: the token buffer, the drafter's
 own KV (slot s owns a fixed run of blocks, so no block manager is needed), and whatever the
-speculator keeps itself. Each `Ingest`/`Propose` rebuilds the step's `TargetStates` from the
+speculator keeps itself. Each `Ingest`/`Propose` rebuilds the step's `DeviceStates` (and `HostRows`) from the
 wire (the target's hidden states arrive with it; the target's embedding and head are this
 process's own copy, loaded when the drafter declares it uses them), then calls the speculator's
 `sync` or `propose` exactly as the runner does.
@@ -21,7 +21,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -33,8 +33,19 @@ from ..models.checkpoint import read_config, resolve
 from ..models.llama import LlamaModel
 from ..models.loader import load_model
 from ..platform import parse_dtype
-from ..plugin import Speculator, SpeculatorCapabilities, SpeculatorContext, TargetModel, TargetStates
+from ..plugin import (
+    AfterStepSpeculator,
+    DeferredDrafts,
+    DeviceStates,
+    HostRows,
+    Speculator,
+    SpeculatorCapabilities,
+    SpeculatorContext,
+    TargetModel,
+    drafts_in_step,
+)
 from ..runner.host_copy import to_device
+from ..runner.step_plan import DRAFTER, Col
 from ..wire.drafter import HIDDEN_CARRIERS, Describe, Free, Hello, Ingest, Propose, ServerTiming, fingerprint
 from .check import parse_options
 from .drafter_steps import Key, PaddedSteps
@@ -79,14 +90,14 @@ class Served:
     target: TargetModel | None
     """The target's embedding, final norm and head, where the drafter declares it uses them."""
     padded: PaddedSteps | None
-    """Fixed-shape passes (device graphs where the platform captures them), for device-only drafters."""
+    """Fixed-shape passes (device graphs where the platform captures them), for in-step drafters."""
 
 
 class DrafterHost:
     def __init__(self, method: str, model: str, *, platform: str | None = None, dtype: str | None = None,
                  draft_model: str | None = None, options: dict[str, str] | None = None,
                  graphs: bool = True) -> None:
-        """`graphs`: steady-state steps of a device-only drafter run at fixed shapes (device
+        """`graphs`: steady-state steps of an in-step drafter run at fixed shapes (device
         graphs where the platform captures them); False runs every step eagerly at its size."""
         self.method = method
         self.graphs = graphs
@@ -172,7 +183,7 @@ class DrafterHost:
         tokens = torch.zeros(msg.num_slots, width, dtype=torch.int64, device=device)
         padded = None
         plans = self.platform.attention_backend(bs, max_tokens, max_rows=msg.num_slots, max_blocks=per_slot)
-        if caps.device_only and self.graphs and msg.num_slots > 1 and plans.supports_padding:
+        if drafts_in_step(speculator) and self.graphs and msg.num_slots > 1 and plans.supports_padding:
             padded = PaddedSteps.build(
                 speculator, plans, tokens, caps.target_hidden_layers, self.target.hidden_size, self.dtype, target,
                 msg.num_slots, k)
@@ -217,8 +228,8 @@ class DrafterHost:
             run = functools.partial(padded.run, key, meta)
         else:
             self.num_eager_steps += 1
-            states = self._states(served, msg)
-            run = functools.partial(self._eager, served, states, k)
+            states, host_rows = self._states(served, msg)
+            run = functools.partial(self._eager, served, states, host_rows, k)
         timed = k and self.pin
         events = [torch.Event(self.platform.device, enable_timing=True) for _ in range(2)] if timed else []
         prepared = time.perf_counter()
@@ -271,7 +282,12 @@ class DrafterHost:
         return np.concatenate([slots, pos, np.asarray(msg.tokens, np.int64)])
 
     def _rows(self, msg: Ingest) -> np.ndarray:
-        return np.array([(r.slot, r.accepted, r.seq_len, r.samples) for r in msg.rows], np.int64).reshape(-1, 4)
+        """The step's plan (`step_plan.DRAFTER`)."""
+        plan = DRAFTER.empty(len(msg.rows))
+        for col, values in ((Col.SLOT, [r.slot for r in msg.rows]), (Col.ACCEPTED, [r.accepted for r in msg.rows]),
+                            (Col.SEQ_LEN, [r.seq_len for r in msg.rows]), (Col.SAMPLES, [r.samples for r in msg.rows])):
+            DRAFTER.put(plan, col, values)
+        return plan
 
     def _padded(self, served: Served, padded: PaddedSteps, key: Key, msg: Ingest) -> AttentionMetadata:
         """The step's plan, tokens and hidden states in the padded pass's buffers."""
@@ -286,13 +302,23 @@ class DrafterHost:
             padded.hidden[layer][:t].copy_(h)
         return meta
 
-    def _eager(self, served: Served, states: TargetStates, k: int) -> torch.Tensor | None:
-        if k:
-            return served.speculator.propose(states, k).token_ids
-        served.speculator.sync(states)
-        return None
+    def _eager(self, served: Served, states: DeviceStates, rows: HostRows, k: int) -> torch.Tensor | None:
+        speculator = served.speculator
+        if drafts_in_step(speculator):
+            if k:
+                return speculator.propose(states, k).token_ids
+            speculator.sync(states)
+            return None
+        after = cast(AfterStepSpeculator, speculator)
+        if not k:
+            after.sync(states, rows)
+            return None
+        drafts = after.propose(states, rows, k)
+        if isinstance(drafts, DeferredDrafts):  # the reply needs them now
+            drafts.ready.wait()
+        return drafts.token_ids
 
-    def _states(self, served: Served, msg: Ingest) -> TargetStates:
+    def _states(self, served: Served, msg: Ingest) -> tuple[DeviceStates, HostRows]:
         device = self.platform.device
         rows = msg.rows
         caps = served.caps
@@ -303,14 +329,15 @@ class DrafterHost:
         hidden = {layer: h.to(self.dtype) for layer, h in zip(caps.target_hidden_layers, on_device, strict=True)}
         tables = [served.tables[r.slot] for r in rows]
         meta = served.attention.prepare([(r.start_pos, r.num_tokens, tables[i]) for i, r in enumerate(rows)])
-        per_row = to_device(self._rows(msg), device).t()
-        seq_lens = [r.seq_len for r in rows]
+        plan = to_device(self._rows(msg), device)
         query_start = np.concatenate([[0], np.cumsum([r.num_tokens for r in rows])]).tolist()
-        return TargetStates(
-            tokens=served.tokens, slots=[r.slot for r in rows], slot_index=per_row[0].contiguous(),
-            generations=[r.generation for r in rows], start_pos=[r.start_pos for r in rows],
-            query_start=query_start, positions=meta.positions, num_drafts=[r.num_drafts for r in rows],
-            accepted=per_row[1].contiguous(), seq_lens=seq_lens, samples=[r.samples for r in rows],
-            sampling=[r.sampling for r in rows], block_tables=tables, hidden=hidden,
-            seq_lens_device=per_row[2].contiguous(), samples_device=per_row[3] != 0, target=served.target,
-            attention=meta)
+        states = DeviceStates(
+            tokens=served.tokens, slot_index=DRAFTER.of(plan, Col.SLOT).contiguous(), positions=meta.positions,
+            accepted=DRAFTER.of(plan, Col.ACCEPTED).contiguous(), seq_lens=DRAFTER.of(plan, Col.SEQ_LEN).contiguous(),
+            samples=DRAFTER.of(plan, Col.SAMPLES) != 0, hidden=hidden, target=served.target, attention=meta)
+        host = HostRows(
+            slots=[r.slot for r in rows], generations=[r.generation for r in rows],
+            start_pos=[r.start_pos for r in rows], query_start=query_start, num_drafts=[r.num_drafts for r in rows],
+            seq_lens=[r.seq_len for r in rows], samples=[r.samples for r in rows],
+            sampling=[r.sampling for r in rows], block_tables=tables)
+        return states, host

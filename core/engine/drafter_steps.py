@@ -2,7 +2,7 @@
 
 Eagerly, one proposal of a one-layer drafter is a few hundred kernel launches: on a host where
 a launch costs ~20 µs that is milliseconds, longer than the target's whole step, and every
-millisecond of it is on the engine's critical path. The passes of a `device_only` drafter read
+millisecond of it is on the engine's critical path. The passes of an `InStepSpeculator` read
 device tensors only (as inside the engine's own step graphs), so a step whose rows all carry
 the same number of query tokens (decode, or verification of K drafts) pads to a row bucket and
 replays a graph captured at start. Each call is then one host-to-device copy of the step's plan
@@ -26,11 +26,9 @@ from tqdm import tqdm
 from .. import log
 from ..attention import AttentionBackend, AttentionMetadata, Chunk
 from ..platform import DeviceGraph, Platform
-from ..plugin import Speculator, TargetModel, TargetStates
+from ..plugin import DeviceStates, InStepSpeculator, TargetModel
 from ..runner.step_graphs import row_buckets
-
-SLOT, ACCEPTED, SEQ_LEN, SAMPLES = range(4)
-ROW_FIELDS = 4
+from ..runner.step_plan import DRAFTER, Col
 
 Key = tuple[int, int, int]
 """(rows, query tokens per row, drafts proposed; 0: the sync pass)."""
@@ -38,7 +36,7 @@ Key = tuple[int, int, int]
 
 @dataclass
 class PaddedSteps:
-    speculator: Speculator
+    speculator: InStepSpeculator
     attention: AttentionBackend
     """The served drafter's plan backend, `max_blocks` fixed: a plan's layout depends only on
     the padded token and row counts, as graphs need."""
@@ -55,13 +53,13 @@ class PaddedSteps:
     pool: object | None = None
 
     @classmethod
-    def build(cls, speculator: Speculator, attention: AttentionBackend, tokens: torch.Tensor,
+    def build(cls, speculator: InStepSpeculator, attention: AttentionBackend, tokens: torch.Tensor,
               layers: tuple[int, ...], hidden_size: int, dtype: torch.dtype, target: TargetModel | None,
               num_slots: int, k: int) -> PaddedSteps:
         widths = tuple(sorted({1, k + 1}))
         max_rows = max(1, num_slots - 1)
         max_tokens = max_rows * widths[-1]
-        attention.reserve(max_tokens, max_rows, ROW_FIELDS, 3 * max_tokens)
+        attention.reserve(max_tokens, max_rows, DRAFTER.width, 3 * max_tokens)
         hidden = {layer: torch.zeros(max_tokens, hidden_size, dtype=dtype, device=tokens.device) for layer in layers}
         return cls(speculator, attention, tokens, hidden, target, num_slots - 1, max_rows, widths)
 
@@ -74,10 +72,10 @@ class PaddedSteps:
         return rows, q, k
 
     def plan(self, key: Key, chunks: Sequence[Chunk], rows: np.ndarray, tail: np.ndarray) -> AttentionMetadata:
-        """rows [R, ROW_FIELDS] of the real rows; padding rows follow at the spare slot."""
+        """rows [R, DRAFTER.width] of the real rows; padding rows follow at the spare slot."""
         r, q, _ = key
-        extra = np.zeros((r, ROW_FIELDS), np.int64)
-        extra[:, SLOT] = self.spare
+        extra = DRAFTER.empty(r)
+        DRAFTER.put(extra, Col.SLOT, self.spare)
         extra[: len(rows)] = rows
         return self.attention.prepare(chunks, num_tokens=r * q, num_rows=r, row_extra=extra, tail=tail,
                                       max_query_len=q)
@@ -94,12 +92,10 @@ class PaddedSteps:
         r, q, k = key
         assert meta.row_extra is not None
         extra = meta.row_extra
-        states = TargetStates(
-            tokens=self.tokens, slots=[], slot_index=extra[:, SLOT].contiguous(), generations=[], start_pos=[],
-            query_start=[], positions=meta.positions, num_drafts=[], accepted=extra[:, ACCEPTED].contiguous(),
-            seq_lens=[], samples=[], sampling=[], block_tables=[],
-            hidden={layer: h[: r * q] for layer, h in self.hidden.items()},
-            seq_lens_device=extra[:, SEQ_LEN].contiguous(), samples_device=extra[:, SAMPLES] != 0,
+        states = DeviceStates(
+            tokens=self.tokens, slot_index=DRAFTER.of(extra, Col.SLOT).contiguous(), positions=meta.positions,
+            accepted=DRAFTER.of(extra, Col.ACCEPTED).contiguous(), seq_lens=DRAFTER.of(extra, Col.SEQ_LEN).contiguous(),
+            samples=DRAFTER.of(extra, Col.SAMPLES) != 0, hidden={layer: h[: r * q] for layer, h in self.hidden.items()},
             target=self.target, attention=meta)
         if not k:
             self.speculator.sync(states)
@@ -115,7 +111,7 @@ class PaddedSteps:
         try:
             for key in tqdm(keys, desc="capturing drafter graphs", unit="graph", file=sys.stderr, disable=None,
                             leave=False):
-                meta = self.plan(key, [], np.zeros((0, ROW_FIELDS), np.int64), np.zeros(0, np.int64))
+                meta = self.plan(key, [], DRAFTER.empty(0), np.zeros(0, np.int64))
                 self.graphs[key] = self._record(platform, key, meta)
         except Exception as e:  # a drafter whose pass a graph cannot hold: it runs eagerly
             self.graphs.clear()

@@ -14,7 +14,7 @@ own names:
 - `ScheduledRow.num_drafts`: the drafts one row verifies in this step (at most K; 0 after a
   K=0 step). `StepShape.verify_width` is its maximum over a step's rows, which captured graphs
   pad to 0 or K.
-- `StepShape.propose_width`: the drafts a device-only speculator proposes inside a step's
+- `StepShape.propose_width`: the drafts an in-step speculator proposes inside a step's
   device work: K, or 0 when it runs only its sync pass.
 """
 

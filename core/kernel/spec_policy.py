@@ -39,15 +39,16 @@ def lookahead_slots(caps: SpeculatorCapabilities | None, num_speculative_tokens:
 
 
 def spec_policy(caps: SpeculatorCapabilities | None, backend: AttentionBackend,
-                config: EngineConfig) -> SpecPolicy | None:
+                config: EngineConfig, in_step: bool = False) -> SpecPolicy | None:
     """None without a speculator. Where the backend plans steps on the device, a step verifies K
     slots whatever the drafts (graphs pad to K anyway): variable-width drafts are padded with -1
-    there instead of copied to the host, and a device-only speculator's requests run ahead of
-    their accepted counts (with async scheduling)."""
+    there instead of copied to the host, and the requests of a speculator that drafts inside the
+    step (`in_step`: an `InStepSpeculator`) run ahead of their accepted counts (with async
+    scheduling)."""
     if caps is None:
         return None
     k = config.num_speculative_tokens
     variable_width = caps.draft_width == "variable" and not backend.device_planned
-    run_ahead = caps.device_only and backend.device_planned and config.async_scheduling and not variable_width
+    run_ahead = in_step and backend.device_planned and config.async_scheduling and not variable_width
     return SpecPolicy(num_speculative_tokens=k, lookahead_slots=lookahead_slots(caps, k),
                       variable_width=variable_width, skip_drafts=config.skip_drafts, run_ahead=run_ahead)

@@ -1,19 +1,21 @@
 """Runs one StepFrame on the device: forward, sample or verify, then the speculator's pass.
 
-The host packs a step's plan (positions, slots, block tables, each row's slot, draft count,
-output position and sampling values, the host-known tokens) into one staging array, copied
-to the device in one go (`AttentionBackend.prepare`). Everything else is derived on the
-device: input ids gathered from the token buffer, logit positions, draft ids, where outputs
-go. So the device part of a step has fixed shapes once padded, and a captured graph
+The host packs a step's plan (`step_plan.STEP`: each row's slot, draft count, output position
+and sampling values; positions, slots, block tables; the host-known tokens) into one staging
+array, copied to the device in one go (`AttentionBackend.prepare`). Everything else is derived
+on the device: input ids gathered from the token buffer, logit positions, draft ids, where
+outputs go. So the device part of a step has fixed shapes once padded, and a captured graph
 (`StepGraphs`) replays it for every decode or verification step of its size.
 
-The only device-to-host transfer of a step is its sampled tokens and accepted counts, copied
-into pinned memory behind an event: `launch` returns before the device has run the step, and
-`PendingStep.result` waits only when the ledger needs the tokens. A `device_only` speculator
-drafts inside the step (and its graph); its drafts stay on the device unless the host must see
-them. With run-ahead, a row scheduled before its predecessor's accepted counts reached the host
-is planned as if every draft was accepted (`ScheduledRow.shifted`), and the device moves it
-back by the drafts that predecessor rejected.
+`_launch` reads top to bottom: shape, plan, the drafting pass's work before the step, the step
+(replayed or eager), its copy to the host, the drafting pass's work after it. The only
+device-to-host transfer of a step is its sampled tokens and accepted counts (and the next drafts
+where the host must see them), copied into pinned memory behind an event (`host_copy.StepCopy`):
+`launch` returns before the device has run the step unless the speculator drafts after the step
+(`drafting.AfterStepDrafting` waits for the counts), and `finish` folds the copy and the
+drafting pass's outcome into the row results. With run-ahead, a row scheduled before its
+predecessor's accepted counts reached the host is planned as if every draft was accepted
+(`ScheduledRow.shifted`), and the device moves it back by the drafts that predecessor rejected.
 
 A failure is scoped to rows: when launching a step raises, its rows run again one by one
 and only the rows that fail alone fail; a row whose predecessor step did not complete for its
@@ -25,7 +27,6 @@ step result says so (`StepResult.speculator_error`), so the engine can count it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -37,50 +38,24 @@ from ..kernel.frame import RowResult, ScheduledRow, StepFrame, StepResult
 from ..models.llama import LlamaModel
 from ..models.paged import new_kv_cache
 from ..outputs import TokenLogprobs
-from ..platform import HostGate
-from ..plugin import Drafts, Speculator, TargetModel, TargetStates
-from .host_copy import to_device
+from ..plugin import Speculator, TargetModel
+from .drafting import DraftingPass, NoDrafting, drafting_pass
+from .host_copy import StepCopy, draft_lists
 from .penalties import count_history
 from .sampler import SamplingTensors, sample_on_device, token_logprobs
 from .step_graphs import StepGraphs
-from .step_shape import DeviceOutputs, StepShape
+from .step_plan import STEP, Col
+from .step_shape import DeviceOutputs, DraftingDeps, DraftOutcome, StepShape
 from .token_pool import TokenPool
 from .verify import drafted_counts, verify
 
 log = logmod.get("runner")
-
-# Columns of the per-row plan the host sends with each step.
-SLOT, NUM_DRAFTS, OUT_POS, SAMPLES, SEED, POSITION, TOP_K, TEMPERATURE, TOP_P, SHIFTED, REPETITION, FREQUENCY, \
-    PRESENCE = range(13)
-ROW_FIELDS = 13
-
-
-def confirmed_lens(seq_lens: torch.Tensor, num_drafts: torch.Tensor, samples: torch.Tensor,
-                   accepted: torch.Tensor) -> torch.Tensor:
-    """Each row's confirmed tokens after its step, on the device: the context it attended minus
-    its drafts, plus the accepted ones and the bonus token where it sampled."""
-    return seq_lens - num_drafts + torch.where(samples, accepted + 1, 0)
 
 
 def logprobs_of(values: list[list[float]], ids: list[list[int]], count: int, top: int) -> list[TokenLogprobs]:
     """One row's first `count` output positions as TokenLogprobs, each with its `top` alternatives
     (the step computed as many as its most demanding row asked for)."""
     return [TokenLogprobs(v[0], t[:top], v[1 : 1 + top]) for v, t in zip(values[:count], ids[:count], strict=True)]
-
-
-class PendingDrafts(NamedTuple):
-    """A deferred speculator's drafts, not written by the host yet: stored behind their gate at
-    the next launch, after its host work and before its tokens enter the token buffer."""
-
-    gate: HostGate
-    staging: torch.Tensor
-    """[rows, K] host memory the speculator fills before it opens the gate."""
-    rows: list[int]
-    """Staging rows of the rows that sampled."""
-    keys: list[tuple[int, int]]
-    """Their (slot, generation): a slot with another generation in the next step is another request's."""
-    starts: list[int]
-    """Where each row's drafts go (its confirmed length)."""
 
 
 class PendingStep:
@@ -107,43 +82,42 @@ class ModelRunner:
         self.attention = attention
         kv_cfg = model.cfg if kv_layers is None else msgspec.structs.replace(model.cfg, num_layers=kv_layers)
         self.kv_cache = new_kv_cache(kv_cfg, num_blocks, block_size, model.embed.weight.dtype, device)
-        self.speculator = speculator
         self.use_triton = use_triton
-        self.force_host_drafts = force_host_drafts
         self.num_slots = num_slots
         # The plan buffer never moves under captured graphs.
         k = num_speculative_tokens
         tokens = max(max_num_tokens, num_slots * (k + 1))
-        attention.reserve(tokens, num_slots, ROW_FIELDS, 3 * tokens)
+        attention.reserve(tokens, num_slots, STEP.width, 3 * tokens)
         # Room for the context, K drafts past it, and one spare column that catches padding;
         # one spare row takes what padding rows of a device graph write.
         self.pool = TokenPool(num_slots + 1, max_model_len + k + 2, device)
         self.pool.tokens[num_slots] = 0  # padding rows read their inputs there: any valid id
-        caps = speculator.capabilities if speculator is not None else None
-        self.device_spec = caps is not None and caps.device_only
         self.run_ahead = run_ahead
         """Rows may be shifted (planned before their predecessor's accepted counts were known)."""
         self.rejected = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
         """Per slot: drafts its latest step rejected, by which a shifted successor moves back."""
+        caps = speculator.capabilities if speculator is not None else None
         self.hidden_layers = caps.target_hidden_layers if caps is not None else ()
-        self.draft_probs: torch.Tensor | None = None
+        deps = DraftingDeps(self.pool, device, model.cfg.vocab_size, force_host_drafts=force_host_drafts)
         if caps is not None and caps.sampled_drafts:
-            self.draft_probs = torch.zeros(num_slots + 1, max(k, 1), model.cfg.vocab_size, device=device)
-        self.target: TargetModel | None = None
+            deps.draft_probs = torch.zeros(num_slots + 1, max(k, 1), model.cfg.vocab_size, device=device)
         if caps is not None and (caps.uses_target_kv or caps.uses_target_weights):
             weights = caps.uses_target_weights
-            self.target = TargetModel(model.cfg, model.embed if weights else None, model.norm if weights else None,
+            deps.target = TargetModel(model.cfg, model.embed if weights else None, model.norm if weights else None,
                                       model.logits if weights else None,
                                       self.kv_cache if caps.uses_target_kv else None)
+        self.deps = deps
+        self.drafting: DraftingPass = drafting_pass(speculator, deps)
+        """The speculator's pass for its kind (NoDrafting without one, or once it is switched off)."""
         self.graphs: StepGraphs | None = None
         """Captured decode and verification steps, when the engine captured them."""
-        self.pending_drafts: PendingDrafts | None = None
-        """A deferred proposal, resolved by the next launch."""
         self.isolate_speculator = True
         """A raising speculator pass costs the step its drafts only (off while graphs are captured:
         a graph must hold the real pass, so a pass that raises there fails the capture)."""
-        self.speculator_error: str | None = None
-        """What the device-side speculator pass of the step being launched raised, if it did."""
+
+    @property
+    def speculator(self) -> Speculator | None:
+        return self.drafting.speculator
 
     # --- launching -------------------------------------------------------------------------
 
@@ -198,11 +172,6 @@ class ModelRunner:
         """The step's shape before padding, and whether it is a decode/verify step graphs fit."""
         rows = frame.rows
         sampling = [r.sampling for r in rows if r.sampling is not None]
-        propose = 0
-        if self.device_spec and sampling and frame.num_speculative_tokens:
-            assert self.speculator is not None
-            if not frame.skip_drafts or not self.speculator.capabilities.supports_k0:
-                propose = frame.num_speculative_tokens
         return StepShape(rows=len(rows), tokens=frame.num_tokens,
                          verify_width=max((r.num_drafts for r in rows), default=0),
                          max_query_len=max((r.num_tokens for r in rows), default=0),
@@ -210,42 +179,35 @@ class ModelRunner:
                          any_filter=any(s.top_k > 0 or s.top_p < 1.0 for s in sampling),
                          any_penalty=any(s.penalized for s in sampling),
                          decode_like=all(r.sampling is not None and r.num_tokens == 1 + r.num_drafts for r in rows),
-                         propose_width=propose, logprobs=max((s.logprobs for s in sampling), default=-1))
+                         propose_width=self.drafting.propose_width(frame),
+                         logprobs=max((s.logprobs for s in sampling), default=-1))
 
     def plan(self, frame: StepFrame, padded: StepShape | None) -> AttentionMetadata:
         """Packs the step's plan (padded to a captured shape, if given) and sends it to the device
         in one copy."""
         rows = frame.rows
-        extra = np.zeros((len(rows), ROW_FIELDS), np.int64)
-        floats = extra.view(np.float64)
-        for i, r in enumerate(rows):
-            s = r.sampling
-            extra[i, :4] = (r.slot, r.num_drafts, r.start_pos + r.num_tokens - r.num_drafts, s is not None)
-            extra[i, SHIFTED] = r.shifted
-            if s is not None:
-                extra[i, SEED:TOP_K + 1] = (s.seed, s.position, s.top_k)
-                floats[i, TEMPERATURE], floats[i, TOP_P] = s.temperature, s.top_p
-                floats[i, REPETITION:PRESENCE + 1] = (s.repetition_penalty, s.frequency_penalty, s.presence_penalty)
-            else:
-                floats[i, TOP_P] = floats[i, REPETITION] = 1.0
-        host_n = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
-        n = int(host_n.sum())
-        tail = np.empty(3 * n, np.int64)
-        tail[:n] = np.repeat(extra[:, SLOT], host_n)
-        tail[n : 2 * n] = np.concatenate([np.arange(r.start_pos, r.start_pos + len(r.token_ids)) for r in rows]) \
-            if n else tail[:0]
-        tail[2 * n :] = np.fromiter((t for r in rows for t in r.token_ids), np.int64, n)
+        plan = STEP.empty(padded.rows if padded is not None and padded.rows > len(rows) else len(rows))
+        plan[:, STEP.index[Col.SLOT]] = self.num_slots  # padding rows: the spare row of the token buffer
+        n = len(rows)
+        STEP.put(plan, Col.SLOT, [r.slot for r in rows], slice(0, n))
+        STEP.put(plan, Col.NUM_DRAFTS, [r.num_drafts for r in rows], slice(0, n))
+        STEP.put(plan, Col.OUT_POS, [r.start_pos + r.num_tokens - r.num_drafts for r in rows], slice(0, n))
+        STEP.put(plan, Col.SAMPLES, [r.sampling is not None for r in rows], slice(0, n))
+        STEP.put(plan, Col.SHIFTED, [r.shifted for r in rows], slice(0, n))
+        sampled = [i for i, r in enumerate(rows) if r.sampling is not None]
+        STEP.put_sampling(plan, sampled, [s for r in rows if (s := r.sampling) is not None])
+        host_n = np.fromiter((len(r.token_ids) for r in rows), np.int64, n)
+        total = int(host_n.sum())
+        tail = np.empty(3 * total, np.int64)
+        tail[:total] = np.repeat(plan[:n, STEP.index[Col.SLOT]], host_n)
+        tail[total : 2 * total] = np.concatenate([np.arange(r.start_pos, r.start_pos + len(r.token_ids))
+                                                  for r in rows]) if total else tail[:0]
+        tail[2 * total :] = np.fromiter((t for r in rows for t in r.token_ids), np.int64, total)
         chunks = [(r.start_pos, r.num_tokens, r.block_ids) for r in rows]
         if padded is None:
-            return self.attention.prepare(chunks, row_extra=extra, tail=tail)
-        if padded.rows > len(rows):
-            pad = np.zeros((padded.rows - len(rows), ROW_FIELDS), np.int64)
-            pad[:, SLOT] = self.num_slots  # the spare row of the token buffer
-            pad.view(np.float64)[:, [TOP_P, REPETITION]] = 1.0
-            extra = np.concatenate([extra, pad])
-        return self.attention.prepare(chunks, num_tokens=padded.tokens, num_rows=padded.rows, row_extra=extra,
+            return self.attention.prepare(chunks, row_extra=plan, tail=tail)
+        return self.attention.prepare(chunks, num_tokens=padded.tokens, num_rows=padded.rows, row_extra=plan,
                                       tail=tail, max_query_len=padded.max_query_len)
-
     def token_bitmask(self, frame: StepFrame, width: int) -> torch.Tensor | None:
         """[R, width + 1, W] int32 on the device: the rows' grammar bitmasks, all ones where a
         row or position has none; None for a step without structured output."""
@@ -267,79 +229,70 @@ class ModelRunner:
 
     def device_step(self, meta: AttentionMetadata, shape: StepShape, bitmask: torch.Tensor | None = None,
                     logprob_rows: torch.Tensor | None = None) -> DeviceOutputs:
-        """Forward, then sample or verify, then the outputs into the token buffer: all on the
-        device, with shapes fixed by `shape` (a graph captures exactly this). bitmask [R, width
-        + 1, W]: the grammar's allowed tokens per sampled position (structured output, eager);
-        logprob_rows [L]: the rows whose logprobs are computed (shape.logprobs top alternatives,
-        eager), from the same logits the step sampled or verified with, at each position."""
-        assert meta.row_extra is not None
-        extra = meta.row_extra
+        """Forward, then sample or verify, then the outputs into the token buffer, then the
+        in-step drafting pass: all on the device, with shapes fixed by `shape` (a graph captures
+        exactly this). bitmask [R, width + 1, W]: the grammar's allowed tokens per sampled
+        position (structured output, eager); logprob_rows [L]: the rows whose logprobs are
+        computed (shape.logprobs top alternatives, eager), from the same logits the step sampled
+        or verified with, at each position."""
+        plan = meta.row_extra
+        assert plan is not None
         if self.run_ahead:
             self._move_back(meta)
-        slot, num_drafts, out_pos = extra[:, SLOT], extra[:, NUM_DRAFTS], extra[:, OUT_POS]
-        tokens = self.pool.tokens
+        slot, num_drafts, out_pos = STEP.of(plan, Col.SLOT), STEP.of(plan, Col.NUM_DRAFTS), STEP.of(plan, Col.OUT_POS)
         hidden, captured = self.forward(meta)
-        floats = extra.view(torch.float64)
-        st = SamplingTensors(temperature=floats[:, TEMPERATURE].float(), top_k=extra[:, TOP_K],
-                             top_p=floats[:, TOP_P].float(), seed=extra[:, SEED], position=extra[:, POSITION],
-                             all_greedy=shape.all_greedy, any_filter=shape.any_filter,
-                             repetition_penalty=floats[:, REPETITION].float(),
-                             frequency_penalty=floats[:, FREQUENCY].float(),
-                             presence_penalty=floats[:, PRESENCE].float(), any_penalty=shape.any_penalty)
-        # What each row said before this step's output (its drafts are added per position by
-        # verify); its prompt is what precedes output token number POSITION.
-        counts = count_history(tokens, slot, out_pos - extra[:, POSITION], out_pos, self.model.cfg.vocab_size) \
-            if shape.any_penalty else None
-        last = (meta.query_start[1:] - 1).clamp(min=0)
-        width = shape.verify_width
-        if width == 0:
-            logits = self.model.logits(hidden[last])
-            out = sample_on_device(logits, st, use_triton=self.use_triton,
-                                   bitmask=None if bitmask is None else bitmask[:, 0], counts=counts)[:, None]
-            logits = logits[:, None]
-            nacc = real_drafts = torch.zeros_like(slot)
-        else:
-            cols = torch.arange(width + 1, device=self.device)
-            index = (last - num_drafts)[:, None] + torch.minimum(cols[None, :], num_drafts[:, None])
-            draft_pos = (out_pos[:, None] + cols[None, :width]).clamp(max=self.pool.width - 1)
-            draft_ids = torch.where(cols[None, :width] < num_drafts[:, None], tokens[slot[:, None], draft_pos], -1)
-            probs = None if self.draft_probs is None else self.draft_probs[slot, :width]
-            logits = self.model.logits(hidden[index.clamp(min=0)])
-            out, nacc = verify(logits, draft_ids, st, probs, use_triton=self.use_triton, bitmask=bitmask,
-                               counts=counts)
-            real_drafts = drafted_counts(draft_ids)  # -1 padding is verified (never accepted), not counted
+        logits, out, nacc, real_drafts = self._sample_or_verify(meta, shape, hidden, bitmask)
         # Confirmed tokens land right after each row's last verified input; rows that do not
         # sample write into the spare last column, which nothing reads.
-        samples = extra[:, SAMPLES] > 0
+        samples = STEP.of(plan, Col.SAMPLES) > 0
         self.pool.write(slot, torch.where(samples, out_pos, self.pool.width - 1), out)
         if self.run_ahead:
             self.rejected[slot] = torch.where(samples, num_drafts - nacc, 0)
-        drafts = None
-        if self.device_spec:
-            seq_lens = confirmed_lens(meta.seq_lens, num_drafts, samples, nacc)
-            try:
-                drafts = self._device_speculate(meta, shape, slot, samples, nacc, seq_lens, captured)
-            except Exception as e:
-                if not self.isolate_speculator:
-                    raise
-                self.speculator_error = self._speculator_failed(e)
-                if shape.propose_width:  # no drafts: -1 where they would have gone
-                    drafts = torch.full((len(slot), shape.propose_width), -1, dtype=torch.int64, device=self.device)
-                    self.pool.write(slot, torch.where(samples, seq_lens, self.pool.width - 1), drafts)
+        drafted = self.drafting.in_step(meta, shape.propose_width, slot, samples, nacc, num_drafts, captured,
+                                        self.isolate_speculator)
         packed = torch.cat([out, real_drafts[:, None].to(out.dtype), nacc[:, None].to(out.dtype)], dim=1)
         logprobs = logprob_ids = None
         if logprob_rows is not None and shape.logprobs >= 0:
             # Position j of a verifying row holds the target's logits for its output token j, the
             # ones plain decoding computes for that token: speculation leaves the logprobs as they were.
             logprobs, logprob_ids = token_logprobs(logits[logprob_rows], out[logprob_rows], shape.logprobs)
-        return DeviceOutputs(packed, hidden, captured, drafts, logprobs, logprob_ids)
+        return DeviceOutputs(packed, hidden, captured, drafted.drafts, logprobs, logprob_ids, drafted.error)
+
+    def _sample_or_verify(self, meta: AttentionMetadata, shape: StepShape, hidden: torch.Tensor,
+                          bitmask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """The step's logits [R, W + 1, V], output tokens [R, W + 1], accepted and drafted counts [R]."""
+        plan = meta.row_extra
+        assert plan is not None
+        slot, num_drafts, out_pos = STEP.of(plan, Col.SLOT), STEP.of(plan, Col.NUM_DRAFTS), STEP.of(plan, Col.OUT_POS)
+        st = SamplingTensors.from_plan(plan, STEP, shape.all_greedy, shape.any_filter, shape.any_penalty)
+        # What each row said before this step's output (its drafts are added per position by
+        # verify); its prompt is what precedes output token number POSITION.
+        counts = count_history(self.pool.tokens, slot, out_pos - STEP.of(plan, Col.POSITION), out_pos,
+                               self.model.cfg.vocab_size) if shape.any_penalty else None
+        last = (meta.query_start[1:] - 1).clamp(min=0)
+        width = shape.verify_width
+        if width == 0:
+            logits = self.model.logits(hidden[last])
+            out = sample_on_device(logits, st, use_triton=self.use_triton,
+                                   bitmask=None if bitmask is None else bitmask[:, 0], counts=counts)[:, None]
+            nacc = torch.zeros_like(slot)
+            return logits[:, None], out, nacc, nacc
+        cols = torch.arange(width + 1, device=self.device)
+        index = (last - num_drafts)[:, None] + torch.minimum(cols[None, :], num_drafts[:, None])
+        draft_pos = (out_pos[:, None] + cols[None, :width]).clamp(max=self.pool.width - 1)
+        draft_ids = torch.where(cols[None, :width] < num_drafts[:, None], self.pool.tokens[slot[:, None], draft_pos],
+                                -1)
+        probs = None if self.deps.draft_probs is None else self.deps.draft_probs[slot, :width]
+        logits = self.model.logits(hidden[index.clamp(min=0)])
+        out, nacc = verify(logits, draft_ids, st, probs, use_triton=self.use_triton, bitmask=bitmask, counts=counts)
+        return logits, out, nacc, drafted_counts(draft_ids)  # -1 padding is verified (never accepted), not counted
 
     def input_ids(self, meta: AttentionMetadata) -> torch.Tensor:
         """The step's input tokens, gathered from the token buffer. -1 (a draft slot a
         variable-width speculator left empty) reads as any valid id: no output that depends on
         it is ever accepted."""
         assert meta.row_extra is not None
-        return self.pool.tokens[meta.row_extra[:, SLOT][meta.token_rows], meta.positions].clamp(min=0)
+        return self.pool.tokens[STEP.of(meta.row_extra, Col.SLOT)[meta.token_rows], meta.positions].clamp(min=0)
 
     def forward(self, meta: AttentionMetadata) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The final-norm hidden states of the step and the captured layers (a pipeline's last
@@ -350,9 +303,9 @@ class ModelRunner:
         """Shifted rows were planned as if their predecessor accepted every draft: their
         positions, cache slots, context lengths, output position and sampling index move back,
         on the device, by the drafts it rejected."""
-        extra = meta.row_extra
-        assert extra is not None
-        back = torch.where(extra[:, SHIFTED] > 0, self.rejected[extra[:, SLOT]], 0)
+        plan = meta.row_extra
+        assert plan is not None
+        back = torch.where(STEP.of(plan, Col.SHIFTED) > 0, self.rejected[STEP.of(plan, Col.SLOT)], 0)
         real = meta.slot_mapping >= 0
         meta.positions.sub_(torch.where(real, back[meta.token_rows], 0))
         bs = self.attention.block_size
@@ -360,246 +313,66 @@ class ModelRunner:
         slots = meta.block_tables[meta.token_rows, pos // bs] * bs + pos % bs
         meta.slot_mapping.copy_(torch.where(real, slots, -1))
         meta.seq_lens.sub_(back)
-        extra[:, OUT_POS] -= back
-        extra[:, POSITION] -= back
-
-    def _device_speculate(self, meta: AttentionMetadata, shape: StepShape, slot: torch.Tensor,
-                          samples: torch.Tensor, accepted: torch.Tensor, seq_lens: torch.Tensor,
-                          captured: dict[int, torch.Tensor]) -> torch.Tensor | None:
-        """A device-only speculator's pass, inside the step: it sees device tensors only, and
-        its drafts go into the token buffer right after each sampling row's confirmed tokens."""
-        assert self.speculator is not None
-        states = TargetStates(
-            tokens=self.pool.tokens, slots=[], slot_index=slot, generations=[], start_pos=[], query_start=[],
-            positions=meta.positions, num_drafts=[], accepted=accepted, seq_lens=[], samples=[], sampling=[],
-            block_tables=[], hidden=captured, seq_lens_device=seq_lens, samples_device=samples, target=self.target,
-            attention=meta)
-        if not shape.propose_width:
-            self.speculator.sync(states)
-            return None
-        drafts = self.speculator.propose(states, shape.propose_width)
-        ids = self._in_vocab(drafts.token_ids)
-        self.pool.write(slot, torch.where(samples, seq_lens, self.pool.width - 1), ids)
-        if self.draft_probs is not None and drafts.probs is not None:
-            self.draft_probs[slot, : shape.propose_width] = drafts.probs.float()
-        return ids
-
-    def _in_vocab(self, ids: torch.Tensor) -> torch.Tensor:
-        """Draft ids outside the vocabulary as -1 (never accepted): a speculator's bad id costs
-        its draft, not the next step's embedding lookup (an index error, or a device fault)."""
-        return torch.where((ids >= 0) & (ids < self.model.cfg.vocab_size), ids, -1)
-
-    def _speculator_failed(self, e: Exception) -> str:
-        """Logs a raising speculator pass with its traceback; its one-line description."""
-        log.exception("speculator_pass_failed", error=f"{type(e).__name__}: {e}")
-        return f"{type(e).__name__}: {e}"
+        STEP.of(plan, Col.OUT_POS).sub_(back)
+        STEP.of(plan, Col.POSITION).sub_(back)
 
     def stop_speculation(self) -> None:
         """From now on the steps run the target alone: the speculator is never called again (nor
         are graphs replayed that hold its pass); rows in flight verify the drafts they carry."""
-        if self.device_spec:
+        if self.drafting.in_graphs:
             self.graphs = None
-        self.speculator = None
-        self.device_spec = False
+        self.drafting = NoDrafting()
         self.hidden_layers = ()
-        self.pending_drafts = None
 
     def _launch(self, frame: StepFrame) -> PendingStep:
-        rows = frame.rows
-        self.speculator_error = None
         shape = self.step_shape(frame)
         bitmask = self.token_bitmask(frame, shape.verify_width)
         padded = self.graphs.padded(shape) if self.graphs is not None and bitmask is None else None
         meta = self.plan(frame, padded)
-        self.resolve_drafts(frame)
+        self.drafting.before(frame)
         self.write_host_tokens(meta)
-        asked = [i for i, r in enumerate(rows) if r.sampling is not None and r.sampling.logprobs >= 0]
+        asked = [i for i, r in enumerate(frame.rows) if r.sampling is not None and r.sampling.logprobs >= 0]
         if padded is not None:
             assert self.graphs is not None
             out = self.graphs.replay(padded)
         else:
             logprob_rows = torch.tensor(asked, dtype=torch.int64, device=self.device) if asked else None
             out = self.device_step(meta, shape, bitmask, logprob_rows)
-        for r in rows:
+        for r in frame.rows:
             self.pool.completed(r.slot, r.generation, frame.step_id)
-        n = len(rows)
-        k1 = out.packed.shape[1] - 2  # a padded step verifies its bucket's width: more columns than shape's
-        # Drafts proposed inside the step count for the next one unless the step was K=0 (a
-        # speculator that cannot skip drafting proposed all the same: its drafts are dropped).
-        drafted = out.drafts is not None and not frame.skip_drafts
-        host_drafts = drafted and frame.host_drafts
-        copies = 0
-        if out.drafts is not None and drafted and not frame.host_drafts and self.force_host_drafts:
-            out.drafts[:n].tolist()  # what a kernel that ignored the fixed width would pay
-            copies = 1
-        packed = out.packed[:n]
-        if host_drafts:
-            assert out.drafts is not None
-            packed = torch.cat([packed, out.drafts[:n]], dim=1)
-            copies = 1
-        host, event = packed.clone(), None
-        lp_host = [] if out.logprobs is None or out.logprob_ids is None else [out.logprobs, out.logprob_ids]
-        if self.device.type != "cpu":  # copy into pinned memory behind an event; wait only in finish()
-            host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            lp_host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                       for t in lp_host]
-            event = torch.Event(self.device)
-            event.record()
-        next_k = out.drafts.shape[1] if drafted and out.drafts is not None else 0
-        spec_error = self.speculator_error
+        copy = self._copy(frame, out)
+        outcome = self.drafting.after(frame, meta, out, copy, self.isolate_speculator)
+        return PendingStep(lambda: self.finish(frame, copy, outcome, asked))
 
-        def finish() -> StepResult:
-            if event is not None:
-                event.synchronize()
-            values = host.tolist()
-            row_logprobs = dict(zip(asked, zip(lp_host[0].tolist(), lp_host[1].tolist(), strict=True),
-                                    strict=True)) if lp_host else {}
-            result_rows = []
-            for i, (r, v) in enumerate(zip(rows, values, strict=True)):
-                if r.sampling is None:
-                    result_rows.append(RowResult(r.key, r.generation, [], r.num_drafts, 0))
-                    continue
-                row = RowResult(r.key, r.generation, [t for t in v[:k1] if t >= 0], r.num_drafts, v[k1 + 1],
-                                num_next_drafts=0 if host_drafts else next_k, num_drafted=v[k1])
-                if host_drafts:
-                    drafted_ids = v[k1 + 2 :]
-                    cut = next((m for m, tok in enumerate(drafted_ids) if tok < 0), len(drafted_ids))
-                    row = msgspec.structs.replace(row, next_draft_ids=drafted_ids[:cut])
-                if i in row_logprobs:
-                    assert r.sampling is not None
-                    row = msgspec.structs.replace(row, logprobs=logprobs_of(*row_logprobs[i], len(row.sampled),
-                                                                            r.sampling.logprobs))
-                result_rows.append(row)
-            return StepResult(frame.step_id, result_rows, k0=frame.skip_drafts and self.speculator is not None,
-                              num_host_draft_copies=copies, speculator_error=spec_error)
+    def _copy(self, frame: StepFrame, out: DeviceOutputs) -> StepCopy:
+        """The step's copy to the host, with the drafts proposed inside it where the host must see
+        them (K=0: a speculator that cannot skip drafting proposed all the same; they are dropped)."""
+        n = len(frame.rows)
+        host_drafts = out.drafts is not None and frame.host_drafts and not frame.skip_drafts
+        logprobs = None if out.logprobs is None or out.logprob_ids is None else (out.logprobs, out.logprob_ids)
+        return StepCopy(out.packed[:n], out.drafts[:n] if host_drafts and out.drafts is not None else None, logprobs)
 
-        if self.speculator is None or self.device_spec:
-            return PendingStep(finish)
-        # The speculator reads this step's metadata and outputs, which the next launch
-        # overwrites: it runs now (it needs the accepted counts on the host anyway).
-        plain = finish()
-        try:
-            done = self._speculate(frame, meta, out, plain)
-        except Exception as e:
-            if not self.isolate_speculator:
-                raise
-            done = self._without_drafts(frame, plain, self._speculator_failed(e))
-        return PendingStep(lambda: done)
-
-    def _without_drafts(self, frame: StepFrame, plain: StepResult, error: str) -> StepResult:
-        """A step whose host-side speculator pass raised: its target tokens, no next drafts, and
-        -1 where a run-ahead successor would read the drafts it counted on."""
-        self.pending_drafts = None
-        k = frame.num_speculative_tokens
-        idx = [i for i, r in enumerate(frame.rows) if r.sampling is not None]
-        if k and idx and not frame.skip_drafts:
-            rows = [frame.rows[i] for i in idx]
-            slots = torch.tensor([r.slot for r in rows], dtype=torch.int64, device=self.device)
-            starts = torch.tensor([r.start_pos + r.num_tokens - r.num_drafts + plain.rows[i].num_accepted + 1
-                                   for r, i in zip(rows, idx, strict=True)], dtype=torch.int64, device=self.device)
-            self.pool.write(slots, starts, torch.full((len(idx), k), -1, dtype=torch.int64, device=self.device))
-        rows_out = [msgspec.structs.replace(r, num_next_drafts=0, next_draft_ids=None) for r in plain.rows]
-        return msgspec.structs.replace(plain, rows=rows_out, speculator_error=error)
-
-    # --- the speculator's pass -------------------------------------------------------------
-
-    def _speculate(self, frame: StepFrame, meta: AttentionMetadata, out: DeviceOutputs,
-                   plain: StepResult) -> StepResult:
-        assert self.speculator is not None
-        rows = frame.rows
-        n = len(rows)
-        result_rows = list(plain.rows)
-        starts = [r.start_pos for r in rows]
-        lens = [r.num_tokens for r in rows]
-        num_drafts = [r.num_drafts for r in rows]
-        samples = [r.sampling is not None for r in rows]
-        seq_lens = [starts[i] + lens[i] - num_drafts[i] + (result_rows[i].num_accepted + 1 if samples[i] else 0)
-                    for i in range(n)]
-        query_start = np.concatenate([[0], np.cumsum(lens)]).tolist()
-        slots = [r.slot for r in rows]
-        assert meta.row_extra is not None
-        slot_index = meta.row_extra[:n, SLOT]
-        accepted = out.packed[:n, -1]
-        samples_device = meta.row_extra[:n, SAMPLES] > 0
-        seq_lens_device = confirmed_lens(meta.seq_lens[:n], meta.row_extra[:n, NUM_DRAFTS], samples_device, accepted)
-        t = query_start[-1]
-        states = TargetStates(
-            tokens=self.pool.tokens, slots=slots, slot_index=slot_index,
-            generations=[r.generation for r in rows], start_pos=starts, query_start=query_start,
-            positions=meta.positions[:t], num_drafts=num_drafts, accepted=accepted, seq_lens=seq_lens,
-            samples=samples, sampling=[r.sampling for r in rows], block_tables=[r.block_ids for r in rows],
-            hidden={layer: h[:t] for layer, h in out.captured.items()}, seq_lens_device=seq_lens_device,
-            samples_device=samples_device, target=self.target, attention=meta)
-        spec = self.speculator
-        k = frame.num_speculative_tokens
-        sampling_idx = [i for i in range(n) if samples[i]]
-        if not sampling_idx or (frame.skip_drafts and spec.capabilities.supports_k0):
-            spec.sync(states)
-            return msgspec.structs.replace(plain, rows=result_rows, k0=frame.skip_drafts)
-        drafts = spec.propose(states, k)
-        if frame.skip_drafts:  # the speculator cannot skip drafting: its drafts are dropped
-            return msgspec.structs.replace(plain, rows=result_rows, k0=True)
-        if drafts.ready is not None and not frame.host_drafts:
-            # Deferred: the next launch stores them behind the gate, after its host work.
-            self.pending_drafts = PendingDrafts(drafts.ready, drafts.token_ids, sampling_idx,
-                                                [(rows[i].slot, rows[i].generation) for i in sampling_idx],
-                                                [seq_lens[i] for i in sampling_idx])
-            for i in sampling_idx:
-                result_rows[i] = msgspec.structs.replace(result_rows[i], num_next_drafts=k)
-            return msgspec.structs.replace(plain, rows=result_rows)
-        idx = torch.tensor(sampling_idx, dtype=torch.int64, device=self.device)
-        ids = self._in_vocab(self._gated(drafts)[idx])
-        sample_slots = slot_index[idx]
-        start = torch.tensor([seq_lens[i] for i in sampling_idx], device=self.device)
-        self.pool.write(sample_slots, start, ids)
-        if self.draft_probs is not None and drafts.probs is not None:
-            self.draft_probs[sample_slots, :k] = drafts.probs[idx].float()
-        if not frame.host_drafts:
-            copies = 0
-            if self.force_host_drafts:  # what a kernel that ignored the fixed width would pay
-                ids.tolist()
-                copies = 1
-            for i in sampling_idx:
-                result_rows[i] = msgspec.structs.replace(result_rows[i], num_next_drafts=k)
-            return msgspec.structs.replace(plain, rows=result_rows, num_host_draft_copies=copies)
-        for j, drafted in zip(sampling_idx, ids.tolist(), strict=True):
-            cut = next((m for m, tok in enumerate(drafted) if tok < 0), len(drafted))
-            result_rows[j] = msgspec.structs.replace(result_rows[j], next_draft_ids=drafted[:cut])
-        return msgspec.structs.replace(plain, rows=result_rows, num_host_draft_copies=1)
-
-    def _gated(self, drafts: Drafts) -> torch.Tensor:
-        """A proposal's drafts on the device; a deferred one's copied behind its gate (the host
-        needs them now: it waits where the stream cannot)."""
-        if drafts.ready is None:
-            return drafts.token_ids
-        drafts.ready.enqueue()
-        drafts.ready.wait()
-        return drafts.token_ids.to(self.device, non_blocking=True)
-
-    def resolve_drafts(self, frame: StepFrame) -> None:
-        """Stores a deferred proposal's drafts, in stream order behind its gate, before this
-        step's tokens go into the token buffer: a row whose slot now holds another request
-        (another generation) is dropped, so its draft never reaches the new owner."""
-        pending, self.pending_drafts = self.pending_drafts, None
-        if pending is None:
-            return
-        owner = {r.slot: r.generation for r in frame.rows}
-        keep = [j for j, (slot, generation) in enumerate(pending.keys) if owner.get(slot, generation) == generation]
-        # Where the kept drafts go reaches the device before the gate: a copy that waits for
-        # its stream (one from pageable memory) issued behind it would hold the host there
-        # until the reply came, with the step's launch still to do.
-        where = None
-        if keep:
-            rows = [pending.rows[j] for j in keep]
-            where = to_device(np.array([rows, [pending.keys[j][0] for j in keep], [pending.starts[j] for j in keep]],
-                                       np.int64), self.device)
-        pending.gate.enqueue()
-        pending.gate.wait()
-        if where is None:
-            return
-        ids = self._in_vocab(pending.staging.to(self.device, non_blocking=True))  # the reply's copy, behind the gate
-        self.pool.write(where[1], where[2], ids[where[0]])
+    def finish(self, frame: StepFrame, copy: StepCopy, outcome: DraftOutcome, asked: list[int]) -> StepResult:
+        """The step's row results: its copy (waited for here) and its drafting outcome, folded."""
+        values, width = copy.rows(), copy.width
+        lp = copy.logprobs()
+        row_logprobs = dict(zip(asked, zip(*lp, strict=True), strict=True)) if lp is not None else {}
+        ids = outcome.ids if outcome.ids is not None else copy.drafts() if outcome.in_copy else None
+        next_ids = None if ids is None else draft_lists(ids)
+        rows = []
+        for i, (r, v) in enumerate(zip(frame.rows, values, strict=True)):
+            s = r.sampling
+            if s is None:
+                rows.append(RowResult(r.key, r.generation, [], r.num_drafts, 0))
+                continue
+            sampled = [t for t in v[:width] if t >= 0]
+            rows.append(RowResult(
+                r.key, r.generation, sampled, r.num_drafts, v[width + 1],
+                next_draft_ids=None if next_ids is None else next_ids[i],
+                num_next_drafts=0 if next_ids is not None else outcome.num_next, num_drafted=v[width],
+                logprobs=logprobs_of(*row_logprobs[i], len(sampled), s.logprobs) if i in row_logprobs else None))
+        return StepResult(frame.step_id, rows, k0=outcome.k0, num_host_draft_copies=outcome.copies,
+                          speculator_error=outcome.error)
 
     @torch.inference_mode()
     def prompt_logits(self, frame: StepFrame) -> torch.Tensor:

@@ -23,12 +23,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..sampling_params import MIN_TEMPERATURE, RowSampling
 from .host_copy import to_device
 from .penalties import TokenCounts, apply_penalties
+from .step_plan import ROW_SAMPLING, Col, Scheme
 
 MIX = 0x9E3779B97F4A7C15
 
@@ -211,26 +211,28 @@ class SamplingTensors:
     tensors above are then set). True is always safe, given the counts."""
 
     @classmethod
+    def from_plan(cls, plan: torch.Tensor, scheme: Scheme, all_greedy: bool, any_filter: bool,
+                  any_penalty: bool) -> SamplingTensors:
+        """The sampling columns of a step plan on the device (`step_plan`), and what the host
+        knows of its rows."""
+        return cls(temperature=scheme.of(plan, Col.TEMPERATURE), top_k=scheme.of(plan, Col.TOP_K),
+                   top_p=scheme.of(plan, Col.TOP_P), seed=scheme.of(plan, Col.SEED),
+                   position=scheme.of(plan, Col.POSITION), all_greedy=all_greedy, any_filter=any_filter,
+                   repetition_penalty=scheme.of(plan, Col.REPETITION),
+                   frequency_penalty=scheme.of(plan, Col.FREQUENCY), presence_penalty=scheme.of(plan, Col.PRESENCE),
+                   any_penalty=any_penalty)
+
+    @classmethod
     def from_rows(cls, rows: Sequence[RowSampling], device: torch.device | str,
                   pad_to: int | None = None) -> SamplingTensors:
         """Packs the rows into one host array and sends it in one (non-blocking) copy. Rows past
         len(rows), up to pad_to, are greedy padding: harmless, and they keep the shape fixed."""
-        device = torch.device(device)
-        n = max(len(rows), pad_to or 0)
-        packed = np.zeros((8, n), np.int64)
-        floats = packed[3:].view(np.float64)
-        floats[1] = floats[2] = 1.0  # padding: top_p and repetition penalty off, temperature 0
-        if rows:
-            packed[:3, : len(rows)] = np.array([(s.top_k, s.seed, s.position) for s in rows], np.int64).T
-            floats[:, : len(rows)] = np.array([(s.temperature, s.top_p, s.repetition_penalty, s.frequency_penalty,
-                                                s.presence_penalty) for s in rows], np.float64).T
-        on_device = to_device(packed, device)
-        f = on_device[3:].view(torch.float64).float()
+        plan = ROW_SAMPLING.empty(max(len(rows), pad_to or 0))  # padding: greedy, every filter and penalty off
+        ROW_SAMPLING.put_sampling(plan, list(range(len(rows))), rows)
         sampled = [s for s in rows if not is_greedy(s.temperature)]
-        return cls(temperature=f[0], top_k=on_device[0], top_p=f[1], seed=on_device[1], position=on_device[2],
-                   all_greedy=not sampled, any_filter=any(s.top_k > 0 or s.top_p < 1.0 for s in sampled),
-                   repetition_penalty=f[2], frequency_penalty=f[3], presence_penalty=f[4],
-                   any_penalty=any(s.penalized for s in rows))
+        return cls.from_plan(to_device(plan, torch.device(device)), ROW_SAMPLING, all_greedy=not sampled,
+                             any_filter=any(s.top_k > 0 or s.top_p < 1.0 for s in sampled),
+                             any_penalty=any(s.penalized for s in rows))
 
     @property
     def num_rows(self) -> int:

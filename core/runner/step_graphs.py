@@ -3,7 +3,7 @@ step shape.
 
 A step of R rows, each with one input token and up to K drafts to verify, pads to the next
 captured row bucket and verify width (0 or K): its device work (input gather, forward,
-logits, sampling or verification, the token-buffer write, a device-only speculator's pass) is
+logits, sampling or verification, the token-buffer write, an in-step speculator's pass) is
 one graph replay instead of hundreds of kernel launches. A step of one row's prompt (or a
 chunk of it) pads to the next captured token bucket, and a step of several prompts (a burst
 of arrivals) to the next captured (rows, tokens) prompt bucket, each row's chunk at most the
@@ -95,7 +95,7 @@ class StepGraphs:
         self.verify_widths = sorted(set(verify_widths))
         """Drafts a row verifies (StepShape.verify_width): 0 and K."""
         self.propose_widths = sorted(set(propose_widths))
-        """Drafts a device-only speculator proposes inside the step (0: its sync pass)."""
+        """Drafts an in-step speculator proposes inside the step (0: its sync pass)."""
         self.prefill = sorted(set(prefill_tokens))
         """Token buckets of one-row steps without drafts (a prompt, or a chunk of one)."""
         self.prompt_batches = sorted(set(prompt_batches)) if self.prefill else []

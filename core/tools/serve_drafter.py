@@ -77,7 +77,7 @@ def add_arguments(sub: Any) -> None:
                         "of that many tokens disconnects its peer")
     p.add_argument("--inject-rtt-ms", type=float, default=0.0, help="hold each reply back by this round trip")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="run every step at its own size (default: steady-state steps of a device-only drafter "
+                   help="run every step at its own size (default: steady-state steps of an in-step drafter "
                         "replay device graphs captured at start)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 

@@ -16,7 +16,14 @@ import torch
 
 from speckernel import AsyncEngine, EngineConfig, SamplingParams, registry
 from speckernel.engine.core import EngineCore
-from speckernel.plugin import Drafts, SpeculatorBase, SpeculatorCapabilities, SpeculatorContext, TargetStates
+from speckernel.plugin import (
+    DeviceStates,
+    Drafts,
+    HostRows,
+    SpeculatorBase,
+    SpeculatorCapabilities,
+    SpeculatorContext,
+)
 from speckernel.speculators.ngram import NgramSpeculator
 from tests.conftest import run_to_completion
 
@@ -38,36 +45,36 @@ class RepeatLast(SpeculatorBase):
         self.device = ctx.device
         self.calls = itertools.count()
 
-    def propose(self, states: TargetStates, k: int) -> Drafts:
-        last = torch.tensor([max(n - 1, 0) for n in states.seq_lens], device=self.device)
+    def propose(self, states: DeviceStates, rows: HostRows, k: int) -> Drafts:
+        last = torch.tensor([max(n - 1, 0) for n in rows.seq_lens], device=self.device)
         return Drafts(states.tokens[states.slot_index, last].clamp(min=0)[:, None].repeat(1, k))
 
-    def sync(self, states: TargetStates) -> None:
+    def sync(self, states: DeviceStates, rows: HostRows) -> None:
         pass
 
 
 class RaisesInPropose(RepeatLast):
     name = "t_raises_in_propose"
 
-    def propose(self, states: TargetStates, k: int) -> Drafts:
+    def propose(self, states: DeviceStates, rows: HostRows, k: int) -> Drafts:
         raise RuntimeError("drafter exploded")
 
 
 class RaisesEveryOtherStep(RepeatLast):
     name = "t_raises_every_other_step"
 
-    def propose(self, states: TargetStates, k: int) -> Drafts:
+    def propose(self, states: DeviceStates, rows: HostRows, k: int) -> Drafts:
         if next(self.calls) % 2:
             raise RuntimeError("drafter hiccup")
-        return super().propose(states, k)
+        return super().propose(states, rows, k)
 
 
 class DeviceRaisesInPropose(NgramSpeculator):
-    """Device-only (its pass runs inside the step), variable width."""
+    """Drafts inside the step (an InStepSpeculator), variable width."""
 
     name = "t_device_raises"
 
-    def propose(self, states: TargetStates, k: int) -> Drafts:
+    def propose(self, states: DeviceStates, k: int) -> Drafts:
         raise IndexError("index 70000 is out of bounds for dimension 0 with size 49152")
 
 
@@ -76,14 +83,14 @@ class OutOfVocab(RepeatLast):
 
     name = "t_out_of_vocab"
 
-    def propose(self, states: TargetStates, k: int) -> Drafts:
-        return Drafts(super().propose(states, k).token_ids + 100_000)
+    def propose(self, states: DeviceStates, rows: HostRows, k: int) -> Drafts:
+        return Drafts(super().propose(states, rows, k).token_ids + 100_000)
 
 
 class DeviceOutOfVocab(NgramSpeculator):
     name = "t_device_out_of_vocab"
 
-    def propose(self, states: TargetStates, k: int) -> Drafts:
+    def propose(self, states: DeviceStates, k: int) -> Drafts:
         ids = super().propose(states, k).token_ids
         return Drafts(torch.where(ids >= 0, ids + 100_000, ids))
 

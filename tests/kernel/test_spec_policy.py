@@ -13,7 +13,8 @@ from speckernel.kernel.kv_plan import KvPlan, plan_kv_cache
 from speckernel.kernel.spec_policy import lookahead_slots, spec_policy
 from speckernel.plugin import SpeculatorCapabilities
 
-VARIABLE_DEVICE = SpeculatorCapabilities(draft_width="variable", supports_k0=True, max_k=16, device_only=True)
+VARIABLE_DEVICE = SpeculatorCapabilities(draft_width="variable", supports_k0=True, max_k=16)
+"""Of a speculator that drafts inside the step (`in_step`)."""
 FIXED_HOST = SpeculatorCapabilities(draft_width="fixed", supports_k0=True, max_k=16, lookahead_slots_per_draft=1)
 DEVICE_PLANNED, HOST_PLANNED = SimpleNamespace(device_planned=True), SimpleNamespace(device_planned=False)
 
@@ -27,13 +28,13 @@ def test_no_speculator_no_policy() -> None:
     (VARIABLE_DEVICE, DEVICE_PLANNED, True, False, True),  # padded with -1 on the device; runs ahead
     (VARIABLE_DEVICE, DEVICE_PLANNED, False, False, False),  # run-ahead needs async scheduling
     (VARIABLE_DEVICE, HOST_PLANNED, True, True, False),  # the IDs must reach the host: no run-ahead
-    (FIXED_HOST, DEVICE_PLANNED, True, False, False),  # not device-only: waits for its frame
+    (FIXED_HOST, DEVICE_PLANNED, True, False, False),  # drafts after the step: waits for its frame
 ])
 def test_policy_follows_the_declarations(caps: SpeculatorCapabilities, backend: object, async_scheduling: bool,
                                          variable_width: bool, run_ahead: bool) -> None:
     config = EngineConfig(speculator="x", num_speculative_tokens=3, async_scheduling=async_scheduling,
                           skip_drafts=False)
-    policy = spec_policy(caps, backend, config)  # type: ignore[arg-type]
+    policy = spec_policy(caps, backend, config, in_step=caps is VARIABLE_DEVICE)  # type: ignore[arg-type]
     assert policy is not None
     assert (policy.variable_width, policy.run_ahead) == (variable_width, run_ahead)
     assert policy.num_speculative_tokens == 3 and not policy.skip_drafts

@@ -133,15 +133,17 @@ def test_a_burst_of_prompts_shares_graph_steps(model_path: Path, tokenizer, spec
 
 
 @pytest.mark.slow
-def test_speculative_requests_run_ahead_without_host_sync(model_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
-    """ngram drafts inside the step: the next step of each request is launched while the
-    current one runs, planned as if every draft is accepted, and no launch of a decode or
-    verification step waits for the device. Greedy output equals the eager engine's."""
+@pytest.mark.parametrize("name,k", [("ngram", 4), ("mtp", 3), ("dflash", 7)])
+def test_speculative_requests_run_ahead_without_host_sync(model_path: Path, tokenizer, name: str, k: int) -> None:  # type: ignore[no-untyped-def]
+    """An in-step speculator drafts inside the step (ngram without a model, mtp fixed width,
+    dflash variable width): the next step of each request is launched while the current one
+    runs, planned as if every draft is accepted, and no launch of a decode or verification step
+    waits for the device. Greedy output equals the eager engine's."""
     from collections import deque
 
     from tests.conftest import PROMPTS
 
-    spec = {"speculator": "ngram", "num_speculative_tokens": 4}
+    spec = {"speculator": name, "num_speculative_tokens": k}
     ids = prompts(tokenizer, PROMPTS[:4])
     params = SamplingParams(max_tokens=64, temperature=0.0)
     core = EngineCore(config(False, **spec))

@@ -19,7 +19,7 @@ from speckernel.engine.core import EngineCore
 from speckernel.errors import InvalidInputError
 from speckernel.kit import RMSNorm
 from speckernel.ops.paged_attention import PagedAttention
-from speckernel.plugin import ModelConfig, SpeculatorContext, TargetModel, TargetStates, TrainBatch
+from speckernel.plugin import DeviceStates, ModelConfig, SpeculatorContext, TargetModel, TrainBatch, drafting_kind
 from speckernel.speculators import learned
 from speckernel.speculators.dflash import DFlashOptions, DFlashSpeculator, trim
 from speckernel.speculators.dspark import DSparkOptions, DSparkSpeculator
@@ -101,12 +101,11 @@ def crafted_step(spec, sequences: list[list[int]], ends: list[int], starts: list
     offsets = [sum(lens[:r]) for r in range(len(lens))]
     per_row = [{layer: hidden[layer][o : o + n] for layer in layers} for o, n in zip(offsets, lens, strict=True)]
     rows = len(sequences) + 1
-    states = TargetStates(
-        tokens=tokens, slots=[], slot_index=torch.tensor([*range(len(sequences)), 3]), generations=[],
-        start_pos=[], query_start=[], positions=meta.positions, num_drafts=[],
-        accepted=torch.zeros(rows, dtype=torch.int64), seq_lens=[], samples=[], sampling=[], block_tables=[],
-        hidden=hidden, seq_lens_device=torch.tensor([e + sample for e in ends] + [0]),
-        samples_device=torch.tensor([sample] * len(sequences) + [False]), target=tiny_target(), attention=meta)
+    states = DeviceStates(
+        tokens=tokens, slot_index=torch.tensor([*range(len(sequences)), 3]), positions=meta.positions,
+        accepted=torch.zeros(rows, dtype=torch.int64), seq_lens=torch.tensor([e + sample for e in ends] + [0]),
+        samples=torch.tensor([sample] * len(sequences) + [False]), hidden=hidden, target=tiny_target(),
+        attention=meta)
     return states, per_row
 
 
@@ -116,7 +115,7 @@ SEQS = [[(5 * i + 3) % 64 for i in range(20)], [(7 * i + 1) % 64 for i in range(
 @pytest.mark.parametrize("cls", CLASSES)
 def test_capabilities(cls) -> None:  # type: ignore[no-untyped-def]
     caps = cls.capabilities
-    assert (caps.draft_width, caps.supports_k0, caps.device_only, caps.max_k) == ("variable", True, True, 15)
+    assert (caps.draft_width, caps.supports_k0, drafting_kind(cls), caps.max_k) == ("variable", True, "in_step", 15)
     assert caps.lookahead_slots_per_draft == 2 and caps.uses_target_weights
 
 
@@ -163,7 +162,7 @@ def test_serving_block_pass_equals_training(cls, tmp_path: Path) -> None:  # typ
 def test_rows_that_do_not_sample_write_only_the_steps_tokens(cls, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     spec = tiny_speculator(cls, tmp_path / "ckpt", cls.Options())
     states, _ = crafted_step(spec, SEQS, [6, 9])
-    quiet = dataclasses.replace(states, samples_device=torch.zeros(3, dtype=torch.bool))
+    quiet = dataclasses.replace(states, samples=torch.zeros(3, dtype=torch.bool))
     spec.propose(quiet, 3)
     kv = spec.kv.view(spec.kv.shape[0], 2, NUM_BLOCKS, BS, -1)
     written = kv.abs().sum(dim=(0, 1, 4)) > 0  # [block, offset]

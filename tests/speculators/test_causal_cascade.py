@@ -14,12 +14,13 @@ import torch.nn.functional as F
 
 from speckernel.ops.paged_attention import TorchPagedAttention
 from speckernel.plugin import (
+    DeviceStates,
     InvalidInputError,
     ModelConfig,
     SpeculatorContext,
     TargetModel,
-    TargetStates,
     TrainBatch,
+    drafting_kind,
 )
 from speckernel.speculators import learned
 from speckernel.speculators.causal_cascade import (
@@ -76,16 +77,13 @@ class FakeTarget:
     def handles(self) -> TargetModel:
         return TargetModel(TINY, self.embed, None, self.head, self.kv_cache)
 
-    def states(self, slot_index: list[int], seq_lens: list[int], samples: list[bool]) -> TargetStates:
+    def states(self, slot_index: list[int], seq_lens: list[int], samples: list[bool]) -> DeviceStates:
         tables = [self.tables[s] if s < self.rows else [0] for s in slot_index]  # slot `rows`: padding
         meta = TorchPagedAttention(BS, 64, torch.device("cpu")).prepare([(0, 1, t) for t in tables])
-        return TargetStates(
-            tokens=self.tokens, slots=[], slot_index=torch.tensor(slot_index), generations=[], start_pos=[],
-            query_start=[], positions=meta.positions, num_drafts=[],
-            accepted=torch.zeros(len(slot_index), dtype=torch.int64), seq_lens=[], samples=[], sampling=[],
-            block_tables=[], hidden={},
-            seq_lens_device=torch.tensor(seq_lens), samples_device=torch.tensor(samples), target=self.handles(),
-            attention=meta)
+        return DeviceStates(
+            tokens=self.tokens, slot_index=torch.tensor(slot_index), positions=meta.positions,
+            accepted=torch.zeros(len(slot_index), dtype=torch.int64), seq_lens=torch.tensor(seq_lens),
+            samples=torch.tensor(samples), hidden={}, target=self.handles(), attention=meta)
 
     def kv_rows(self, slot: int, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The row's cache at positions 0..length-1, [length, kv_heads, hd] each."""
@@ -97,7 +95,7 @@ class FakeTarget:
 
 def test_capabilities_and_no_draft_kv(tiny_ckpt: Path) -> None:
     caps = C.capabilities
-    assert caps.draft_width == "variable" and caps.supports_k0 and caps.device_only
+    assert caps.draft_width == "variable" and caps.supports_k0 and drafting_kind(CausalCascadeSpeculator) == "in_step"
     assert caps.uses_target_kv and caps.uses_target_weights and caps.max_k == 15
     assert caps.lookahead_slots(15) == 0
     ctx = tiny_ctx(tiny_ckpt)

@@ -363,7 +363,8 @@ def test_plugins_json_declares_width_and_k0_pass() -> None:
     assert not listed["ngram"]["trainable"] and not listed["draft_model"]["trainable"]
     assert {n for n in LEARNED if listed[n]["draft_width"] == "fixed"} == {"mtp", "eagle3"}
     assert {n for n in LEARNED if listed[n]["draft_width"] == "variable"} == {"dflash", "dspark", "causal_cascade"}
-    assert all(listed[n]["supports_k0"] and listed[n]["device_only"] and listed[n]["k0_pass"] for n in LEARNED)
+    assert all(listed[n]["supports_k0"] and listed[n]["drafting"] == "in_step" and listed[n]["k0_pass"]
+               for n in LEARNED)
 
 
 def test_triton_attend_takes_a_rows_length_repeated_per_query() -> None:

@@ -1,5 +1,5 @@
-"""The device_only ngram speculator: its propose matches the host reference `lookup` row by
-row, reads only the device tensors of TargetStates, and never synchronises with the device."""
+"""The in-step ngram speculator: its propose matches the host reference `lookup` row by
+row, reads only DeviceStates, and never synchronises with the device."""
 
 from __future__ import annotations
 
@@ -12,15 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from speckernel.plugin import TargetStates
+from speckernel.plugin import DeviceStates, drafting_kind
 from speckernel.speculators.ngram import NgramOptions, NgramSpeculator, lookup
 
 POISON = 99  # a token the histories below never use
 
 
 def make_states(histories, samples, width, tails=None, spare=2, device="cpu"):
-    """TargetStates with only the device tensors filled (the host lists of a device_only
-    speculator are empty). Row r's history sits at a scrambled slot of a buffer with `spare`
+    """DeviceStates of a step. Row r's history sits at a scrambled slot of a buffer with `spare`
     extra rows; what follows it in the buffer is tails[r] (then POISON), never read. A row
     whose history is None is a padding row: slot on a spare row, seq_len 0, does not sample."""
     rows = len(histories)
@@ -37,13 +36,12 @@ def make_states(histories, samples, width, tails=None, spare=2, device="cpu"):
         buf[slots[r], : min(len(row), width)] = torch.tensor(row[:width], dtype=torch.int64)
         lens.append(len(h))
     samples = [s and h is not None for s, h in zip(samples, histories, strict=True)]
-    return TargetStates(
-        tokens=buf.to(device), slots=[], slot_index=torch.tensor(slots, dtype=torch.int64, device=device),
-        generations=[], start_pos=[], query_start=[], positions=torch.zeros(0, dtype=torch.int64, device=device),
-        num_drafts=[], accepted=torch.zeros(rows, dtype=torch.int64, device=device), seq_lens=[], samples=[],
-        sampling=[], block_tables=[], hidden={},
-        seq_lens_device=torch.tensor(lens, dtype=torch.int64, device=device),
-        samples_device=torch.tensor(samples, dtype=torch.bool, device=device))
+    return DeviceStates(
+        tokens=buf.to(device), slot_index=torch.tensor(slots, dtype=torch.int64, device=device),
+        positions=torch.zeros(0, dtype=torch.int64, device=device),
+        accepted=torch.zeros(rows, dtype=torch.int64, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int64, device=device),
+        samples=torch.tensor(samples, dtype=torch.bool, device=device), hidden={})
 
 
 def speculator(max_n=4, min_n=1, device="cpu"):
@@ -71,7 +69,8 @@ def check(histories, samples, k, max_n=4, min_n=1, width=None, tails=None):
 
 def test_capabilities():
     caps = NgramSpeculator.capabilities
-    assert caps.device_only and caps.draft_width == "variable" and caps.supports_k0 and caps.max_k == 16
+    assert drafting_kind(NgramSpeculator) == "in_step"
+    assert caps.draft_width == "variable" and caps.supports_k0 and caps.max_k == 16
 
 
 def test_known_answers():

@@ -109,8 +109,8 @@ def host_accepted(core: EngineCore) -> list[tuple[int, int]]:
     step = spec._step
     seen: list[tuple[int, int]] = []
 
-    def recording(call: Any, states: Any, index: list[int], k: int = 0) -> Any:
-        msg = step(call, states, index, k)
+    def recording(call: Any, states: Any, host: Any, index: list[int], k: int = 0) -> Any:
+        msg = step(call, states, host, index, k)
         on_device = states.accepted.tolist()
         seen.extend((r.accepted, on_device[i]) for r, i in zip(msg.rows, index, strict=True))
         return msg
@@ -126,10 +126,10 @@ def recorded(core: EngineCore) -> list[tuple[list[tuple[int, int]], Any]]:
     seen: list[tuple[list[tuple[int, int]], Any]] = []
     propose = spec.propose
 
-    def recording(states: Any, k: int) -> Any:
-        drafts = propose(states, k)
-        rows = [i for i in range(states.num_rows) if states.samples[i]]
-        seen.append(([(states.slots[i], states.generations[i]) for i in rows], (drafts.token_ids, rows)))
+    def recording(states: Any, host: Any, k: int) -> Any:
+        drafts = propose(states, host, k)
+        rows = [i for i in range(states.num_rows) if host.samples[i]]
+        seen.append(([(host.slots[i], host.generations[i]) for i in rows], (drafts.token_ids, rows)))
         return drafts
 
     spec.propose = recording
@@ -190,12 +190,13 @@ def test_a_pending_draft_never_reaches_the_next_owner_of_its_slot(eagle3: Server
     want = run_to_completion(reference, [a, b], short)
     core = engine(eagle3, max_num_seqs=1)
     runner = core.runner
-    resolve, device_step = runner.resolve_drafts, runner.device_step
+    drafting = runner.drafting
+    resolve, device_step = drafting.before, runner.device_step
     dropped: list[tuple[int, int]] = []
     frames: list[Any] = []
 
     def watching(frame: Any) -> None:
-        pending = runner.pending_drafts
+        pending = drafting.pending
         if pending is not None:
             owner = {r.slot: r.generation for r in frame.rows}
             dropped.extend(key for key in pending.keys if owner.get(key[0], key[1]) != key[1])
@@ -208,7 +209,7 @@ def test_a_pending_draft_never_reaches_the_next_owner_of_its_slot(eagle3: Server
                 assert runner.pool.tokens[row.slot, : len(row.token_ids)].tolist() == list(row.token_ids)
         return device_step(meta, shape)
 
-    runner.resolve_drafts = watching  # type: ignore[method-assign]
+    drafting.before = watching  # type: ignore[method-assign]
     runner.device_step = checked  # type: ignore[method-assign]
     assert run_to_completion(core, [a, b], short) == want
     assert dropped, "A's last proposal was pending when B took its slot"
