@@ -15,13 +15,14 @@ Transitions, in a request's life order, and what each changes:
   (it samples) adds a placeholder and its drafts to the unverified ones.
 - `expect_device_drafts(k)`: run-ahead: the frame just scheduled proposes k drafts that stay on
   the device, and a successor may verify them before that frame is applied.
-- `land_row(step_id, samples, num_drafts)`: a row's result arrived (or the row failed): in_flight
-  - 1, a sampling row's placeholder and unverified drafts released, last_applied_step advanced.
+- `land_row(step_id, samples, num_drafts)`: a row's result arrived (or the row failed): one row
+  less in flight, a sampling row's placeholder and drafts released, last_applied_step advanced.
 - `roll_back(num_rejected)`: rejected draft positions are void: computed tokens back by that many.
 - `apply_result(row, num_drafted)`: after `land_row`: `roll_back` the rejected drafts, speculation
   counters, confirmed tokens appended up to the first stop, and (unless it stopped or a successor
   in flight took them) the drafts for the next row held.
-- `reset_drafts()`: speculation switched off: the held drafts dropped.
+- `reset_drafts()`: the held drafts dropped: speculation switched off (`schedule_row`, `preempt`
+  and `finish` drop them through it too).
 - `preempt(generation)`: running -> waiting, to recompute from prompt plus output: computed tokens
   and in-flight counts zeroed, drafts dropped, slot given up, generation renewed.
 - `finish(reason, generation)`: done, aborted or failed: in-flight counts zeroed, drafts dropped,
@@ -217,7 +218,7 @@ class Request:
         self.last_scheduled_step = step_id
         self.num_computed_tokens += num_inputs + num_drafts
         self.in_flight += 1
-        self.draft_token_ids, self.num_draft_slots = [], 0
+        self.reset_drafts()
         if samples:
             self.num_placeholders += 1
             self.num_unverified += num_drafts
@@ -263,15 +264,16 @@ class Request:
         return new, None
 
     def reset_drafts(self) -> None:
-        """Speculation switched off: the drafts held are dropped (rows in flight still verify theirs)."""
+        """The drafts held are dropped: speculation switched off (rows in flight still verify theirs),
+        and the one place scheduling a row, preemption and finishing drop them."""
         self.draft_token_ids, self.num_draft_slots = [], 0
 
     def _leave(self, generation: int, status: Status) -> int:
-        """Out of every frame in flight: counts zeroed, drafts dropped, slot given up (returned),
-        generation renewed so that stale rows are recognised."""
+        """Out of every frame in flight: in-flight counts zeroed, drafts dropped, slot given up
+        (returned), generation renewed so that rows still in flight are recognised as stale."""
         slot, self.slot = self.slot, -1
         self.in_flight = self.num_placeholders = self.num_unverified = 0
-        self.draft_token_ids, self.num_draft_slots = [], 0
+        self.reset_drafts()
         self.generation = generation
         self.status = status
         return slot
