@@ -8,6 +8,7 @@ Read from the source with `ast`, nothing is imported, so this runs in a second.
 from __future__ import annotations
 
 import ast
+import re
 import tokenize
 from functools import cache
 from pathlib import Path
@@ -231,3 +232,179 @@ def test_in_step_drafting_never_sees_host_rows() -> None:
     classes = {node.name: node for node in tree("speckernel.runner.drafting").body if isinstance(node, ast.ClassDef)}
     assert "HostRows" not in names_used(classes["InStepDrafting"]) | names_used(classes["NoDrafting"])
     assert "HostRows" in names_used(tree("speckernel.runner.drafting")) - names_used(classes["InStepDrafting"])
+
+
+# --- the request's state machine: its fields change only through its transitions --------------
+
+REQUEST_ROOM = "speckernel.kernel.request"
+REQUEST_NAMES = {"req", "request"}
+"""Names that hold a request wherever they appear (unless annotated as something else)."""
+REQUEST_HOLDERS = {"requests", "running", "waiting"}
+"""The scheduler's collections of requests: an item read from one is a request."""
+CONTAINER_MUTATORS = {"append", "appendleft", "extend", "extendleft", "insert", "pop", "popleft", "remove",
+                      "clear", "sort", "reverse", "rotate", "update", "setdefault", "popitem", "add", "discard",
+                      "__setitem__", "__delitem__", "__iadd__"}
+
+
+@cache
+def request_facts() -> tuple[frozenset[str], frozenset[str]]:
+    """(the Request's fields, the methods that change a field's value in place: those of lists,
+    dicts, sets and deques, and those of the other classes of the request's module, such as its
+    speculation counters, that write an attribute of self)."""
+    classes = {c.name: c for c in tree(REQUEST_ROOM).body if isinstance(c, ast.ClassDef)}
+    fields = {n.target.id for n in classes["Request"].body
+              if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    own = {f.name for name, c in classes.items() if name != "Request" for f in c.body
+           if isinstance(f, ast.FunctionDef) and any(
+               isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+               and isinstance(t.ctx, ast.Store | ast.Del) for t in ast.walk(f))}
+    return frozenset(fields), frozenset(CONTAINER_MUTATORS | own)
+
+
+def names_typed(scope: ast.AST) -> dict[str, bool]:
+    """Names whose kind a scope tells (nested scopes included): annotated (parameters, annotated
+    assignments: whether the annotation names Request), or bound to a request (assigned one, or
+    the loop variable over one of the scheduler's collections)."""
+    typed: dict[str, bool] = {}
+    for node in ast.walk(scope):
+        match node:
+            case ast.arg(arg=name, annotation=ast.expr() as annotation) | \
+                    ast.AnnAssign(target=ast.Name(id=name), annotation=annotation):
+                typed[name] = re.search(r"\bRequest\b", ast.unparse(annotation)) is not None
+            case ast.Assign(targets=[ast.Name(id=name)], value=value) if is_request(value, {}):
+                typed.setdefault(name, True)
+            case ast.For(target=ast.Name(id=name), iter=items) | \
+                    ast.comprehension(target=ast.Name(id=name), iter=items) if holds_requests(items):
+                typed.setdefault(name, True)
+    return typed
+
+
+def holder(node: ast.expr) -> bool:
+    """One of the scheduler's collections of requests."""
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+    return name in REQUEST_HOLDERS
+
+
+def holds_requests(node: ast.expr) -> bool:
+    """What a loop over requests iterates: a collection of requests, or its values()."""
+    match node:
+        case ast.Call(func=ast.Attribute(attr="values", value=value)):
+            return holder(value)
+    return holder(node)
+
+
+def is_request(node: ast.expr, typed: dict[str, bool]) -> bool | None:
+    """True: the expression is a request; False: it is known to be something else; None: unknown."""
+    match node:
+        case ast.Name(id=("self" | "cls")):
+            return False
+        case ast.Name(id=name):
+            return typed[name] if name in typed else (True if name in REQUEST_NAMES else None)
+        case ast.Attribute(attr=attr) if attr in REQUEST_NAMES:
+            return True
+        case ast.Subscript(value=value) if holder(value):
+            return True
+        case ast.Call(func=ast.Name(id="Request")):
+            return True
+        case ast.Call(func=ast.Attribute(attr=("get" | "pop" | "popleft"), value=value)) if holder(value):
+            return True
+    return None
+
+
+def writes_a_request(target: ast.expr, typed: dict[str, bool], fields: frozenset[str]) -> bool:
+    """Does writing through target (storing to it, or changing it in place) write a request field?
+    Every object on its attribute chain counts: a request, or an object of unknown type whose
+    attribute has a request field's name."""
+    while isinstance(target, ast.Attribute | ast.Subscript):
+        if isinstance(target, ast.Attribute):
+            verdict = is_request(target.value, typed)
+            if verdict or (verdict is None and target.attr in fields):
+                return True
+        target = target.value
+    return False
+
+
+def written(node: ast.AST, typed: dict[str, bool], mutators: frozenset[str]) -> list[ast.expr]:
+    """What a statement or call writes through: assignment and delete targets, the receiver of an
+    in-place change, the object of a setattr."""
+    match node:
+        case ast.Assign(targets=many) | ast.Delete(targets=many):
+            return list(many)
+        case ast.AugAssign(target=one) | ast.AnnAssign(target=one):
+            return [one]
+        case ast.Call(func=ast.Attribute(attr=method, value=receiver)) if method in mutators:
+            return [receiver] if isinstance(receiver, ast.Attribute | ast.Subscript) else []
+        case ast.Call(func=ast.Name(id=("setattr" | "delattr")), args=[obj, attr, *_]):
+            name = attr.value if isinstance(attr, ast.Constant) and isinstance(attr.value, str) else "?"
+            return [ast.Attribute(obj, name, ast.Store())]
+    return []
+
+
+def request_writes(module: ast.Module) -> list[str]:
+    """Stores, augmented stores, deletes and in-place changes of a request's fields in a module; a
+    name's annotation is read in the innermost function that has it."""
+    fields, mutators = request_facts()
+    found: set[tuple[int, str]] = set()
+
+    def visit(node: ast.AST, typed: dict[str, bool]) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            typed = typed | names_typed(node)
+        targets = written(node, typed, mutators)
+        while targets:
+            t = targets.pop()
+            if isinstance(t, ast.Tuple | ast.List | ast.Starred):
+                targets += t.elts if isinstance(t, ast.Tuple | ast.List) else [t.value]
+            elif writes_a_request(t, typed, fields):
+                found.add((getattr(node, "lineno", 0), ast.unparse(node).splitlines()[0]))
+        for child in ast.iter_child_nodes(node):
+            visit(child, typed)
+
+    visit(module, {})
+    return [f"line {line}: {text}" for line, text in sorted(found)]
+
+
+def test_request_fields_change_only_through_its_transitions() -> None:
+    """Requests change state only through the named transitions of `kernel/request.py` (schedule a
+    row, land and apply a result, roll back, reset drafts, preempt, finish, ...): the scheduler,
+    the ledger, the block manager and the engine call them, none writes a field."""
+    writes = {m: w for m in MODULES if m != REQUEST_ROOM and (w := request_writes(tree(m)))}
+    assert not writes, f"request fields written outside {REQUEST_ROOM}: {writes}"
+
+
+PLANTED = [
+    "def f(req):\n    req.num_computed_tokens -= 1\n",
+    "def f(sched, key):\n    sched.requests[key].num_draft_slots = 3\n",
+    "def f(self, key):\n    self.requests.get(key).status = None\n",
+    "def f(a: Request | None, n):\n    a.in_flight, a.num_placeholders = n, n\n",
+    "def f(victim):\n    victim.generation = 0\n",
+    "def f(req, t):\n    req.output_token_ids.append(t)\n",
+    "def f(req):\n    req.spec.num_invalid_drafts += 1\n",
+    "def f(r):\n    r.spec.record(1, 1)\n",
+    "def f(self):\n    self.req.block_ids[0] = 7\n",
+    "def f(self):\n    for req in self.running:\n        req.new_field = 1\n",
+    "def f(self):\n    victim = self.running[-1]\n    victim.new_field = 1\n",
+    "def f(self):\n    for r in self.requests.values():\n        r.new_field = 1\n",
+    "def f(obj):\n    setattr(obj, 'num_unverified', 0)\n",
+    "def f(req):\n    setattr(req, 'slot', 1)\n",
+    "def f(req):\n    del req.grammar\n",
+]
+"""Writes the house rule must catch: by name, through the scheduler's collections, by annotation,
+by a request field's name on an object of unknown type, in place, through setattr."""
+
+ALLOWED = [
+    "def f(self, spec):\n    self.spec = spec\n    self.requests[1] = 2\n",
+    "def f(args: argparse.Namespace):\n    args.params = 1\n",
+    "def f(req):\n    req.schedule_row(0, 1, 0)\n    x = req.num_tokens\n",
+]
+"""Reads, transitions, an object's own attributes, and an attribute named like a field on an
+object annotated as something else."""
+
+
+@pytest.mark.parametrize("source", PLANTED)
+def test_the_request_rule_catches_a_planted_write(source: str) -> None:
+    assert request_writes(ast.parse(source)), source
+
+
+@pytest.mark.parametrize("source", ALLOWED)
+def test_the_request_rule_allows_reads_and_transitions(source: str) -> None:
+    assert not request_writes(ast.parse(source)), source

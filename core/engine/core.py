@@ -310,7 +310,7 @@ class EngineCore:
             if req.finish_reason == "abort":
                 continue
             try:
-                req.grammar = self.grammars.matcher(compiled)
+                req.attach_grammar(self.grammars.matcher(compiled))
             except Exception as e:
                 self.log.warning("grammar_failed", key=req.key, error=str(e))
                 errors.append(RequestDelta(req.key, [], "error", f"InvalidSamplingParamsError: {e}"))
@@ -325,7 +325,7 @@ class EngineCore:
                 self.scheduler.finish(req, "abort")
         for req, _ in self.compiling:
             if req.key in keys:
-                req.finish_reason = "abort"
+                req.cancel()
 
     def stats(self) -> dict[str, Any]:
         blocks = self.scheduler.blocks

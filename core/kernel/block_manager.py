@@ -27,9 +27,8 @@ class BlockManager:
             return True
         if missing > len(self.free_blocks):
             return False
-        req.block_ids.extend(self.free_blocks.popleft() for _ in range(missing))
+        req.grant_blocks(self.free_blocks.popleft() for _ in range(missing))
         return True
 
     def free(self, req: Request) -> None:
-        self.free_blocks.extend(req.block_ids)
-        req.block_ids = []
+        self.free_blocks.extend(req.release_blocks())

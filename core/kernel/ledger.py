@@ -1,17 +1,24 @@
-"""The frame ledger: the only place where model output changes request state.
+"""The frame ledger: where model output reaches request state.
 
-A result is applied atomically per row: confirmed tokens (stop conditions checked token by
-token), the rollback of rejected draft positions, the drafts for the next step, and the
-speculation counters. Rows whose (key, generation) no longer match a live request are
-discarded, so output never lands on a request that was preempted, aborted or finished since
-the frame was scheduled. A row that failed on the device fails its own request only.
+A result is applied row by row, each row atomically, through the request's own transitions
+(`request.py` lists them): the row leaves flight (`land_row`), then its rejected draft positions
+are rolled back, the speculation counters count, the confirmed tokens land (stop conditions
+checked token by token) and the drafts for the next step are held (`apply_result`). Rows whose
+(key, generation) no longer match a live request are discarded, so output never lands on a
+request that was preempted, aborted or finished since the frame was scheduled. A row that failed
+on the device fails its own request only.
+
+The ledger is the only caller of the transitions that take model output (`land_row`,
+`apply_result`); the scheduler calls those that carry out its own plan (scheduling a row,
+admission, preemption, finishing) and, with run-ahead, counts the drafts a frame in flight will
+propose before its result arrives (`expect_device_drafts`). Neither writes a request field itself.
 """
 
 from __future__ import annotations
 
 from ..wire.messages import RequestDelta
-from .frame import StepFrame, StepResult
-from .request import SpecCounters
+from .frame import RowResult, ScheduledRow, StepFrame, StepResult
+from .request import Request, SpecCounters
 from .scheduler import Scheduler
 
 
@@ -49,43 +56,27 @@ class Ledger:
             if req is None or req.generation != row.generation:
                 self.num_stale_rows += 1
                 continue
-            if req.last_applied_step >= result.step_id:
-                raise LedgerError(f"step {result.step_id} applied to {row.key} after step {req.last_applied_step}")
-            req.last_applied_step = result.step_id
-            self.num_async_rows += sched_row.num_placeholder_inputs > 0
-            req.in_flight -= 1
-            req.num_placeholders -= sched_row.sampling is not None
-            req.num_unverified -= sched_row.num_drafts if sched_row.sampling is not None else 0
-            if row.error is not None:
-                self.scheduler.finish(req, "error")
-                deltas.append(RequestDelta(req.key, [], "error", row.error))
-                continue
-            if row.num_accepted > row.num_drafts or row.num_drafts != sched_row.num_drafts:
-                raise LedgerError(f"step {result.step_id}: {row.key} accepted more drafts than it verified")
-            req.num_computed_tokens -= row.num_drafts - row.num_accepted  # rejected positions are void
-            drafted = row.num_drafts if row.num_drafted is None else row.num_drafted  # padding is no draft
-            req.spec.record(drafted, row.num_accepted)
-            self.spec.record(drafted, row.num_accepted)
-            new: list[int] = []
-            reason = None
-            for token in row.sampled:
-                req.output_token_ids.append(token)
-                new.append(token)
-                reason = req.stop_reason(token)
-                if reason is not None:
-                    break
-            self.num_generated_tokens += len(new)
-            logprobs = None if row.logprobs is None else row.logprobs[: len(new)]
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                deltas.append(RequestDelta(req.key, new, reason, stats=req.spec.summary(), logprobs=logprobs))
-                continue
-            if req.in_flight:
-                pass  # a run-ahead successor in flight already took (or skipped) these drafts
-            elif row.next_draft_ids is not None:
-                req.draft_token_ids = row.next_draft_ids
-            else:
-                req.num_draft_slots = row.num_next_drafts
-            if new:
-                deltas.append(RequestDelta(req.key, new, logprobs=logprobs))
+            if (delta := self._apply_row(result.step_id, req, sched_row, row)) is not None:
+                deltas.append(delta)
         return deltas
+
+    def _apply_row(self, step_id: int, req: Request, sched_row: ScheduledRow, row: RowResult) -> RequestDelta | None:
+        """One live row of step step_id: its request's state moves on; the delta to send, if any."""
+        if req.last_applied_step >= step_id:
+            raise LedgerError(f"step {step_id} applied to {row.key} after step {req.last_applied_step}")
+        self.num_async_rows += sched_row.num_placeholder_inputs > 0
+        req.land_row(step_id, sched_row.sampling is not None, sched_row.num_drafts)
+        if row.error is not None:
+            self.scheduler.finish(req, "error")
+            return RequestDelta(req.key, [], "error", row.error)
+        if row.num_accepted > row.num_drafts or row.num_drafts != sched_row.num_drafts:
+            raise LedgerError(f"step {step_id}: {row.key} accepted more drafts than it verified")
+        drafted = row.num_drafts if row.num_drafted is None else row.num_drafted  # padding is no draft
+        self.spec.record(drafted, row.num_accepted)
+        new, reason = req.apply_result(row, drafted)
+        self.num_generated_tokens += len(new)
+        logprobs = None if row.logprobs is None else row.logprobs[: len(new)]
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            return RequestDelta(req.key, new, reason, stats=req.spec.summary(), logprobs=logprobs)
+        return RequestDelta(req.key, new, logprobs=logprobs) if new else None

@@ -73,10 +73,10 @@ class Scheduler:
         self.spec = None
         self.draft_gate = None
         for req in self.requests.values():
-            req.draft_token_ids, req.num_draft_slots = [], 0
+            req.reset_drafts()
 
     def add(self, req: Request) -> None:
-        req.generation = next(self.generations)
+        req.enqueue(next(self.generations))
         self.requests[req.key] = req
         self.waiting.append(req)
 
@@ -197,8 +197,7 @@ class Scheduler:
             if not self.blocks.ensure(req, self._slots_needed(req, n_known)):
                 break
             self.waiting.popleft()
-            req.slot = self.free_slots.pop()
-            req.status = Status.RUNNING
+            req.admit(self.free_slots.pop())
             self.running.append(req)
             rows.append(self._row(req, n_known, [], 0))
             budget -= n_known
@@ -221,7 +220,7 @@ class Scheduler:
             # The drafts this frame proposes stay on the device: a run-ahead successor counts on them.
             for row in rows:
                 if row.sampling is not None:
-                    self.requests[row.key].num_draft_slots = frame.num_speculative_tokens
+                    self.requests[row.key].expect_device_drafts(frame.num_speculative_tokens)
         return frame
 
     def eligible(self, req: Request, budget: int) -> bool:
@@ -263,21 +262,17 @@ class Scheduler:
     def _row(self, req: Request, n: int, drafts: list[int], slots: int,
              placeholder_inputs: int = 0, shifted: bool = False) -> ScheduledRow:
         start = req.num_computed_tokens
-        final = start + n + placeholder_inputs == req.num_tokens + req.num_placeholders + req.num_unverified
+        final = req.samples_after(n + placeholder_inputs)
         bitmask = b""
         if req.grammar is not None and final:
             req.grammar.sync(req.output_token_ids)
             valid, bitmask = req.grammar.plan(drafts)
             refused = len(drafts) + slots - len(valid)  # device slots cannot be checked: none are verified
             self.num_invalid_drafts += refused
-            req.spec.num_invalid_drafts += refused
+            req.refuse_drafts(refused)
             drafts, slots = valid, 0
         reads_device = placeholder_inputs > 0 or slots > 0 or bool(drafts)  # host drafts too sit in the buffer
         prev_step = req.last_scheduled_step if reads_device else -1
-        req.last_scheduled_step = self.next_step_id
-        req.num_computed_tokens += n + placeholder_inputs + len(drafts) + slots
-        req.in_flight += 1
-        req.draft_token_ids, req.num_draft_slots = [], 0
         p = req.params
         sampling = None
         if final:
@@ -285,8 +280,7 @@ class Scheduler:
                                    len(req.output_token_ids) + req.num_placeholders + req.num_unverified,
                                    p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
                                    -1 if p.logprobs is None else p.logprobs)
-            req.num_placeholders += 1
-            req.num_unverified += len(drafts) + slots
+        req.schedule_row(self.next_step_id, n + placeholder_inputs, len(drafts) + slots)
         return ScheduledRow(req.key, req.generation, req.slot, start, req.token_ids(start, start + n),
                             list(req.block_ids), sampling, drafts, slots, placeholder_inputs, prev_step, shifted,
                             bitmask)
@@ -308,21 +302,14 @@ class Scheduler:
         return (len(req.output_token_ids) + pending < req.params.max_tokens
                 and req.num_tokens + pending < req.max_total_tokens)
 
-    def _release_slot(self, req: Request) -> None:
-        if req.slot >= 0:
-            self.free_slots.append(req.slot)
-            req.slot = -1
+    def _release_slot(self, slot: int) -> None:
+        if slot >= 0:
+            self.free_slots.append(slot)
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.blocks.free(req)
-        self._release_slot(req)
-        req.num_computed_tokens = 0
-        req.in_flight = req.num_placeholders = req.num_unverified = 0
-        req.generation = next(self.generations)
-        req.status = Status.WAITING
-        req.num_preemptions += 1
-        req.draft_token_ids, req.num_draft_slots = [], 0
+        self._release_slot(req.preempt(next(self.generations)))
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
@@ -333,10 +320,5 @@ class Scheduler:
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         self.blocks.free(req)
-        self._release_slot(req)
-        req.generation = next(self.generations)
-        req.in_flight = req.num_placeholders = req.num_unverified = 0
-        req.status = Status.FINISHED
-        req.finish_reason = reason
-        req.draft_token_ids, req.num_draft_slots = [], 0
+        self._release_slot(req.finish(reason, next(self.generations)))
         self.requests.pop(req.key, None)

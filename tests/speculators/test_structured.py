@@ -14,6 +14,7 @@ import pytest
 
 from speckernel.config import EngineConfig
 from speckernel.engine.core import EngineCore
+from speckernel.kernel.request import Status
 from speckernel.sampling_params import SamplingParams, StructuredOutput
 from speckernel.wire.messages import AddRequest
 
@@ -90,3 +91,14 @@ def test_speculative_structured_output_equals_plain(name: str, prompts, plain, t
     spec = core.stats()["spec"]
     assert spec["num_draft_tokens"] > 0, "no draft was verified: the test proves nothing"
     assert spec["num_host_draft_copies"] > 0  # structured rows take the drafts to the host, fixed width too
+
+
+def test_a_request_aborted_while_its_grammar_compiles_never_runs(core) -> None:  # type: ignore[no-untyped-def]
+    key = next(KEYS) * 100
+    params = SamplingParams(max_tokens=8, temperature=0, structured=StructuredOutput(regex=DATE))
+    assert core.add_request(AddRequest(key, np.asarray([1, 2, 3]), params, "compiling")) is None
+    ((req, _),) = [entry for entry in core.compiling if entry[0].key == key]
+    core.abort([key])
+    assert core.admit_compiled(wait=True) == []
+    assert key not in core.scheduler.requests and not core.compiling
+    assert (req.status, req.finish_reason, req.grammar) == (Status.FINISHED, "abort", None)
