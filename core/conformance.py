@@ -27,6 +27,7 @@ from .engine.core import EngineCore
 from .models.checkpoint import load_tokenizer, resolve
 from .plugin import Drafts, Speculator, SpeculatorCapabilities, TargetStates, TrainableSpeculator
 from .progress import Progress, waiting
+from .runner.model_runner import ModelRunner
 from .sampling_params import SamplingParams
 from .wire.messages import AddRequest
 
@@ -122,7 +123,9 @@ def check_speculator(name: str, *, model: str = "smollm2-135m", k: int = 3, max_
                                                   draft_model=draft_model))
     assert spec.speculator is not None, f"the engine loaded no speculator {name!r}"
     recorder = _Recorder(spec.speculator)
-    spec.runner.speculator = recorder  # type: ignore[union-attr]
+    runner = spec.runner
+    assert isinstance(runner, ModelRunner), "conformance runs the target in one process"
+    runner.speculator = recorder  # type: ignore[assignment]  # it wraps the instance, not the class protocol
     got, rows_run = _run(spec, ids, greedy, f"{what}: with it")
     assert recorder.rows_seen == rows_run, (
         f"the speculator saw {recorder.rows_seen} rows of the {rows_run} the runner executed")
@@ -133,7 +136,7 @@ def check_speculator(name: str, *, model: str = "smollm2-135m", k: int = 3, max_
                         f"{what}: a K=0 step")
     assert single == expected[0][:1], f"K=0 step changed the output: {single} != {expected[0][:1]}"
 
-    device = spec.runner.device  # type: ignore[union-attr]  # conformance runs one process
+    device = runner.device
     for states, kk, drafts in recorder.proposals:
         n = states.num_rows
         t = drafts.token_ids

@@ -16,7 +16,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
@@ -25,6 +25,11 @@ from ..config import CONTEXT_CAP, DTYPE_NAMES, EngineConfig
 from ..errors import InvalidInputError, PlatformUnavailableError, UnknownModelError, UnknownPluginError
 from ..models.builtin import BUILTIN_MODELS
 from ..models.checkpoint import read_config, resolve
+
+if TYPE_CHECKING:  # the contract's types only: loading a speculator's class is what imports torch
+    from ..plugin import Speculator, SpeculatorCapabilities
+
+OptionsT = TypeVar("OptionsT", bound=msgspec.Struct)
 
 Spell = Callable[[str], str]
 """How a caller names a config field in its messages (the CLI: by its flag)."""
@@ -44,10 +49,10 @@ class Checked(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int
     """The longest context the engine can give the model before the KV cache is sized (the
     cache may lower it; `plan_kv_cache` says so)."""
-    speculator: Any = None
+    speculator: type[Speculator] | None = None
     """The speculator's class, None without one."""
-    options: Any = None
-    """The speculator's options, parsed into its `Options` struct."""
+    options: msgspec.Struct | None = None
+    """The speculator's options, parsed into its `Options` struct (None without a speculator)."""
 
 
 def check(config: EngineConfig, spell: Spell = field_name) -> Checked:
@@ -74,7 +79,8 @@ def check(config: EngineConfig, spell: Spell = field_name) -> Checked:
     if draft is not None and draft not in BUILTIN_MODELS and not draft.startswith("random:") \
             and not Path(draft).expanduser().exists():
         raise UnknownModelError(f"{spell('draft_model')} {draft}: no such file or folder")
-    cls = options = None
+    cls: type[Speculator] | None = None
+    options: msgspec.Struct | None = None
     if config.speculator is not None:
         cls = registry.load("speculator", config.speculator)
         k, max_k = config.num_speculative_tokens, cls.capabilities.max_k
@@ -89,8 +95,8 @@ def check(config: EngineConfig, spell: Spell = field_name) -> Checked:
                    speculator=cls, options=options)
 
 
-def check_pipeline(config: EngineConfig, num_layers: int, cls: Any, spell: Spell = field_name,
-                   caps: Any = None) -> None:
+def check_pipeline(config: EngineConfig, num_layers: int, cls: type[Speculator] | None,
+                   spell: Spell = field_name, caps: SpeculatorCapabilities | None = None) -> None:
     """Pipeline stages: at most one per layer, a drafter that can live on the last stage (its
     placement, and its needs of the target: KV of every layer is spread over the stages), a
     rendezvous port that is free. `caps`: the speculator's capabilities for this target, where
@@ -137,14 +143,14 @@ def context_limit(config: EngineConfig, path: Path) -> int:
     return min(config.max_model_len or min(known, CONTEXT_CAP), known)
 
 
-def parse_options(speculator: str, options_type: type[msgspec.Struct], raw: dict[str, str]) -> Any:
+def parse_options(speculator: str, options_type: type[OptionsT], raw: dict[str, str]) -> OptionsT:
     known = list(options_type.__struct_fields__)
     unknown = sorted(set(raw) - set(known))
     if unknown:
         raise InvalidInputError(f"speculator {speculator!r}: unknown option(s) {', '.join(unknown)}; "
                                 f"known: {', '.join(known) or '(none)'}")
     # Values arrive as strings from the command line: let msgspec parse them per field type.
-    decoded: dict[str, Any] = {}
+    decoded: dict[str, object] = {}
     for key, value in raw.items():
         try:
             decoded[key] = msgspec.json.decode(value)
