@@ -20,7 +20,7 @@ import numpy as np
 from .. import log, registry
 from ..attention import AttentionBackend
 from ..config import EngineConfig
-from ..errors import InvalidInputError, InvalidSamplingParamsError, PromptTooLongError
+from ..errors import InvalidInputError, PromptTooLongError
 from ..kernel.block_manager import BlockManager
 from ..kernel.frame import StepFrame, StepResult
 from ..kernel.grammars import Grammars
@@ -38,7 +38,7 @@ from ..platform import parse_dtype
 from ..plugin import Speculator, SpeculatorCapabilities
 from ..runner.model_runner import ModelRunner
 from ..runner.step_graphs import StepGraphs, prefill_buckets, prompt_batch_buckets, warm_eager
-from ..sampling_params import NO_PIPELINE_LOGPROBS
+from ..sampling_params import sampling_params
 from ..wire.messages import (
     AbortRequests,
     AddRequest,
@@ -288,9 +288,8 @@ class EngineCore:
                     "(prompt plus at least one generated token)")
             if any(not 0 <= t < self.model_cfg.vocab_size for t in prompt):
                 raise InvalidInputError(f"prompt token ids must lie in [0, {self.model_cfg.vocab_size})")
-            params = msg.params.validate(self.model_cfg.vocab_size)
-            if params.logprobs is not None and self.config.pipeline_parallel_size > 1:
-                raise InvalidSamplingParamsError(NO_PIPELINE_LOGPROBS)
+            params = sampling_params(msg.params, self.model_cfg.vocab_size,
+                                     pipeline=self.config.pipeline_parallel_size > 1)
             if msg.key in self.scheduler.requests:
                 raise InvalidInputError(f"request key {msg.key} is already running")
         except InvalidInputError as e:
