@@ -66,6 +66,19 @@ def check(config: EngineConfig, spell: Spell = field_name) -> Checked:
         raise InvalidInputError(f"{spell(field)}: {rest}") from None
     if config.dtype is not None and config.dtype not in DTYPE_NAMES:
         raise InvalidInputError(f"unknown dtype {config.dtype!r}; available: {', '.join(DTYPE_NAMES)}")
+    _check_speculator_name(config, spell)
+    _check_platform(config.platform)
+    _check_draft_model(config.draft_model, spell)
+    cls, options = _speculator(config, spell) if config.speculator is not None else (None, None)
+    path = resolve(config.model)
+    if config.pipeline_parallel_size > 1:
+        check_pipeline(config, read_config(path).num_layers, cls, spell)
+    return Checked(config=config, path=path, max_model_len=context_limit(config, path),
+                   speculator=cls, options=options)
+
+
+def _check_speculator_name(config: EngineConfig, spell: Spell) -> None:
+    """The speculator is installed; without one, nothing a speculator reads is given."""
     speculators = sorted(registry.discover("speculator"))
     if config.speculator is None:
         for field, given in (("draft_model", config.draft_model), ("speculator_options", config.speculator_options)):
@@ -74,25 +87,24 @@ def check(config: EngineConfig, spell: Spell = field_name) -> Checked:
                                         f"(available: {', '.join(speculators)})")
     elif config.speculator not in speculators:
         raise UnknownPluginError("speculator", config.speculator, speculators)
-    _check_platform(config.platform)
-    draft = config.draft_model
+
+
+def _check_draft_model(draft: str | None, spell: Spell) -> None:
+    """A draft model that is no built-in nor random must be a path that exists."""
     if draft is not None and draft not in BUILTIN_MODELS and not draft.startswith("random:") \
             and not Path(draft).expanduser().exists():
         raise UnknownModelError(f"{spell('draft_model')} {draft}: no such file or folder")
-    cls: type[Speculator] | None = None
-    options: msgspec.Struct | None = None
-    if config.speculator is not None:
-        cls = registry.load("speculator", config.speculator)
-        k, max_k = config.num_speculative_tokens, cls.capabilities.max_k
-        if k > max_k:  # K >= 1 with a speculator: validate checked it
-            raise InvalidInputError(f"{spell('num_speculative_tokens')}: speculator {config.speculator!r} drafts "
-                                    f"at most {max_k} tokens per step; got {k}")
-        options = parse_options(config.speculator, cls.Options, dict(config.speculator_options))
-    path = resolve(config.model)
-    if config.pipeline_parallel_size > 1:
-        check_pipeline(config, read_config(path).num_layers, cls, spell)
-    return Checked(config=config, path=path, max_model_len=context_limit(config, path),
-                   speculator=cls, options=options)
+
+
+def _speculator(config: EngineConfig, spell: Spell) -> tuple[type[Speculator], msgspec.Struct]:
+    """The named speculator's class (K within its limit) and its options parsed."""
+    assert config.speculator is not None
+    cls = registry.load("speculator", config.speculator)
+    k, max_k = config.num_speculative_tokens, cls.capabilities.max_k
+    if k > max_k:  # K >= 1 with a speculator: validate checked it
+        raise InvalidInputError(f"{spell('num_speculative_tokens')}: speculator {config.speculator!r} drafts "
+                                f"at most {max_k} tokens per step; got {k}")
+    return cls, parse_options(config.speculator, cls.Options, dict(config.speculator_options))
 
 
 def check_pipeline(config: EngineConfig, num_layers: int, cls: type[Speculator] | None,
