@@ -62,7 +62,7 @@ def pick_platform(name: str | None = None) -> Platform:
     return max(available, key=lambda c: c.capabilities.priority)()
 
 
-def description(cls: Any) -> str:
+def description(cls: type) -> str:
     """A plugin's first sentence: its class's own docstring, else its module's."""
     doc = cls.__dict__.get("__doc__") or getattr(sys.modules.get(cls.__module__), "__doc__", None) or ""
     text = " ".join(doc.split())

@@ -279,14 +279,20 @@ def prompt_token_ids(prompt: object, vocab_size: int) -> list[int]:
                                 f"{prompt!r:.80}{f' (at prompt{where})' if where else ''}") from None
 
 
-def sampling_params(params: object, vocab_size: int | None = None) -> SamplingParams:
+def sampling_params(params: object, vocab_size: int | None = None, *, pipeline: bool = False) -> SamplingParams:
     """The caller's parameters validated (None: the defaults), InvalidSamplingParamsError for
-    anything else, before a request is sent."""
+    anything else. The one check of a request's parameters, with its one text per mistake: the
+    frontend calls it before a request is sent (some values cannot even travel), the engine core
+    on every request it is handed (any sender). `pipeline`: the target is split into stages,
+    whose frames carry no logprobs."""
     if params is None:
         params = SamplingParams()
     if not isinstance(params, SamplingParams):
         raise InvalidSamplingParamsError(f"params: expected a SamplingParams or None, got {params!r:.80}")
-    return params.validate(vocab_size)
+    params = params.validate(vocab_size)
+    if pipeline and params.logprobs is not None:
+        raise InvalidSamplingParamsError(NO_PIPELINE_LOGPROBS)
+    return params
 
 
 class RowSampling(msgspec.Struct, frozen=True, array_like=True):

@@ -203,7 +203,7 @@ class CausalCascadeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     """A draft whose probability is below this ends the row's drafts."""
 
 
-class CausalCascadeSpeculator(learned.LearnedSpeculator[CausalCascadeOptions]):
+class CausalCascadeSpeculator(learned.LearnedSpeculator[CascadeModule, CausalCascadeOptions]):
     name = "causal_cascade"
     capabilities = SpeculatorCapabilities(
         draft_width="variable", supports_k0=True, max_k=15, lookahead_slots_per_draft=0,
@@ -211,7 +211,6 @@ class CausalCascadeSpeculator(learned.LearnedSpeculator[CausalCascadeOptions]):
         uses_target_kv=True, uses_target_weights=True, trainable=True)
     Options = CausalCascadeOptions
     Module = CascadeModule
-    module: CascadeModule
 
     @classmethod
     def defaults(cls, target: ModelConfig) -> DrafterConfig:

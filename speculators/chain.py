@@ -22,8 +22,6 @@ and the KV of runs 2..j at base q (a diagonal mask), and learns the target's gre
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
@@ -136,7 +134,7 @@ class ChainModule(DrafterModule):
         return torch.cat([causal, *([eye] * j)], dim=1)
 
 
-class ChainSpeculator(LearnedSpeculator[NoOptions]):
+class ChainSpeculator(LearnedSpeculator[ChainModule, NoOptions]):
     capabilities = SpeculatorCapabilities(draft_width="fixed", supports_k0=True, max_k=16,
                                           k0_pass="draft prefill: its layer writes the draft KV of the step's tokens",
                                           lookahead_slots_per_draft=1, uses_target_weights=True,
@@ -153,7 +151,7 @@ class ChainSpeculator(LearnedSpeculator[NoOptions]):
         feature of its last confirmed input token, which the chain and the next step start from."""
         meta, target = states.attention, states.target
         assert meta is not None and target is not None and target.embed is not None and self.kv is not None
-        m: Any = self.module
+        m = self.module
         positions = meta.positions
         t = positions.shape[0]
         slot_t = states.slot_index[meta.token_rows]
@@ -189,7 +187,7 @@ class ChainSpeculator(LearnedSpeculator[NoOptions]):
         feature = self._catch_up(states)
         meta, target = states.attention, states.target
         assert meta is not None and target is not None and target.embed is not None and self.kv is not None
-        m: Any = self.module
+        m = self.module
         kv = self.kv[0]
         tables = meta.block_tables[: states.slot_index.shape[0]]
         pos = (states.seq_lens - 1).clamp(min=0)

@@ -228,7 +228,7 @@ class DFlashOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 BlockOptionsT = TypeVar("BlockOptionsT", bound=msgspec.Struct)
 
 
-class BlockSpeculator(LearnedSpeculator[BlockOptionsT]):
+class BlockSpeculator(LearnedSpeculator[DFlashDrafter, BlockOptionsT]):
     """The serving side dflash and dspark share; each gives its options and `keep`, their cut."""
 
     capabilities = SpeculatorCapabilities(draft_width="variable", supports_k0=True, max_k=15,
@@ -236,7 +236,6 @@ class BlockSpeculator(LearnedSpeculator[BlockOptionsT]):
                                           lookahead_slots_per_draft=2, uses_target_weights=True,
                                           trainable=True)
     Module = DFlashDrafter
-    module: DFlashDrafter
 
     @classmethod
     def defaults(cls, target: ModelConfig) -> DrafterConfig:

@@ -443,11 +443,18 @@ class DrafterModule(nn.Module):
         outside what they index: shapes, dtypes and finite floats are checked before this."""
 
 
-class LearnedSpeculator(SpeculatorBase, Generic[OptionsT]):
+DrafterT = TypeVar("DrafterT", bound=DrafterModule)
+"""The module class a learned speculator runs: `self.module` has its own type, not DrafterModule's."""
+
+
+class LearnedSpeculator(SpeculatorBase, Generic[DrafterT, OptionsT]):
     """Contract plumbing from a checkpoint: subclasses give `Module`, `defaults(target)` and
     the per-row passes."""
 
-    Module: ClassVar[type[DrafterModule]]
+    Module: type[DrafterT]
+    """Built as Module(config, target_config, max_len); set on the class."""
+    module: DrafterT
+    """The loaded drafter."""
     capabilities: ClassVar[SpeculatorCapabilities]
 
     @classmethod

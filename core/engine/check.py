@@ -16,7 +16,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
@@ -26,6 +26,11 @@ from ..errors import InvalidInputError, PlatformUnavailableError, UnknownModelEr
 from ..models.builtin import BUILTIN_MODELS
 from ..models.checkpoint import read_config, resolve
 from ..plugin import drafting_kind
+
+if TYPE_CHECKING:  # the contract's types only: loading a speculator's class is what imports torch
+    from ..plugin import Speculator, SpeculatorCapabilities
+
+OptionsT = TypeVar("OptionsT", bound=msgspec.Struct)
 
 Spell = Callable[[str], str]
 """How a caller names a config field in its messages (the CLI: by its flag)."""
@@ -45,10 +50,10 @@ class Checked(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int
     """The longest context the engine can give the model before the KV cache is sized (the
     cache may lower it; `plan_kv_cache` says so)."""
-    speculator: Any = None
+    speculator: type[Speculator] | None = None
     """The speculator's class, None without one."""
-    options: Any = None
-    """The speculator's options, parsed into its `Options` struct."""
+    options: msgspec.Struct | None = None
+    """The speculator's options, parsed into its `Options` struct (None without a speculator)."""
 
 
 def check(config: EngineConfig, spell: Spell = field_name) -> Checked:
@@ -62,6 +67,19 @@ def check(config: EngineConfig, spell: Spell = field_name) -> Checked:
         raise InvalidInputError(f"{spell(field)}: {rest}") from None
     if config.dtype is not None and config.dtype not in DTYPE_NAMES:
         raise InvalidInputError(f"unknown dtype {config.dtype!r}; available: {', '.join(DTYPE_NAMES)}")
+    _check_speculator_name(config, spell)
+    _check_platform(config.platform)
+    _check_draft_model(config.draft_model, spell)
+    cls, options = _speculator(config, spell) if config.speculator is not None else (None, None)
+    path = resolve(config.model)
+    if config.pipeline_parallel_size > 1:
+        check_pipeline(config, read_config(path).num_layers, cls, spell)
+    return Checked(config=config, path=path, max_model_len=context_limit(config, path),
+                   speculator=cls, options=options)
+
+
+def _check_speculator_name(config: EngineConfig, spell: Spell) -> None:
+    """The speculator is installed; without one, nothing a speculator reads is given."""
     speculators = sorted(registry.discover("speculator"))
     if config.speculator is None:
         for field, given in (("draft_model", config.draft_model), ("speculator_options", config.speculator_options)):
@@ -70,29 +88,29 @@ def check(config: EngineConfig, spell: Spell = field_name) -> Checked:
                                         f"(available: {', '.join(speculators)})")
     elif config.speculator not in speculators:
         raise UnknownPluginError("speculator", config.speculator, speculators)
-    _check_platform(config.platform)
-    draft = config.draft_model
+
+
+def _check_draft_model(draft: str | None, spell: Spell) -> None:
+    """A draft model that is no built-in nor random must be a path that exists."""
     if draft is not None and draft not in BUILTIN_MODELS and not draft.startswith("random:") \
             and not Path(draft).expanduser().exists():
         raise UnknownModelError(f"{spell('draft_model')} {draft}: no such file or folder")
-    cls = options = None
-    if config.speculator is not None:
-        cls = registry.load("speculator", config.speculator)
-        drafting_kind(cls)  # its propose and sync declare which kind of speculator it is, or it is refused here
-        k, max_k = config.num_speculative_tokens, cls.capabilities.max_k
-        if k > max_k:  # K >= 1 with a speculator: validate checked it
-            raise InvalidInputError(f"{spell('num_speculative_tokens')}: speculator {config.speculator!r} drafts "
-                                    f"at most {max_k} tokens per step; got {k}")
-        options = parse_options(config.speculator, cls.Options, dict(config.speculator_options))
-    path = resolve(config.model)
-    if config.pipeline_parallel_size > 1:
-        check_pipeline(config, read_config(path).num_layers, cls, spell)
-    return Checked(config=config, path=path, max_model_len=context_limit(config, path),
-                   speculator=cls, options=options)
 
 
-def check_pipeline(config: EngineConfig, num_layers: int, cls: Any, spell: Spell = field_name,
-                   caps: Any = None) -> None:
+def _speculator(config: EngineConfig, spell: Spell) -> tuple[type[Speculator], msgspec.Struct]:
+    """The named speculator's class (K within its limit) and its options parsed."""
+    assert config.speculator is not None
+    cls = registry.load("speculator", config.speculator)
+    drafting_kind(cls)  # its propose and sync declare which kind of speculator it is, or it is refused here
+    k, max_k = config.num_speculative_tokens, cls.capabilities.max_k
+    if k > max_k:  # K >= 1 with a speculator: validate checked it
+        raise InvalidInputError(f"{spell('num_speculative_tokens')}: speculator {config.speculator!r} drafts "
+                                f"at most {max_k} tokens per step; got {k}")
+    return cls, parse_options(config.speculator, cls.Options, dict(config.speculator_options))
+
+
+def check_pipeline(config: EngineConfig, num_layers: int, cls: type[Speculator] | None,
+                   spell: Spell = field_name, caps: SpeculatorCapabilities | None = None) -> None:
     """Pipeline stages: at most one per layer, a drafter that can live on the last stage (its
     placement, and its needs of the target: KV of every layer is spread over the stages), a
     rendezvous port that is free. `caps`: the speculator's capabilities for this target, where
@@ -139,14 +157,14 @@ def context_limit(config: EngineConfig, path: Path) -> int:
     return min(config.max_model_len or min(known, CONTEXT_CAP), known)
 
 
-def parse_options(speculator: str, options_type: type[msgspec.Struct], raw: dict[str, str]) -> Any:
+def parse_options(speculator: str, options_type: type[OptionsT], raw: dict[str, str]) -> OptionsT:
     known = list(options_type.__struct_fields__)
     unknown = sorted(set(raw) - set(known))
     if unknown:
         raise InvalidInputError(f"speculator {speculator!r}: unknown option(s) {', '.join(unknown)}; "
                                 f"known: {', '.join(known) or '(none)'}")
     # Values arrive as strings from the command line: let msgspec parse them per field type.
-    decoded: dict[str, Any] = {}
+    decoded: dict[str, object] = {}
     for key, value in raw.items():
         try:
             decoded[key] = msgspec.json.decode(value)

@@ -18,8 +18,9 @@ import msgspec
 import numpy as np
 
 from .. import log, registry
+from ..attention import AttentionBackend
 from ..config import EngineConfig
-from ..errors import InvalidInputError, InvalidSamplingParamsError, PromptTooLongError
+from ..errors import InvalidInputError, PromptTooLongError
 from ..kernel.block_manager import BlockManager
 from ..kernel.frame import StepFrame, StepResult
 from ..kernel.grammars import Grammars
@@ -28,16 +29,16 @@ from ..kernel.ledger import Ledger
 from ..kernel.request import Request
 from ..kernel.scheduler import Scheduler
 from ..kernel.spec_governor import SpecGovernor
-from ..kernel.spec_policy import lookahead_slots, spec_policy
+from ..kernel.spec_policy import SpecPolicy, lookahead_slots, spec_policy
 from ..models.checkpoint import load_tokenizer, read_config
 from ..models.loader import load_model
 from ..models.paged import kv_bytes_per_block
 from ..ops.jit_watch import WATCH as JIT_WATCH
 from ..platform import parse_dtype
 from ..plugin import Speculator, SpeculatorCapabilities, drafting_kind
-from ..runner.model_runner import ModelRunner, PendingStep
+from ..runner.model_runner import ModelRunner
 from ..runner.step_graphs import StepGraphs, prefill_buckets, prompt_batch_buckets, warm_eager
-from ..sampling_params import NO_PIPELINE_LOGPROBS
+from ..sampling_params import sampling_params
 from ..wire.messages import (
     AbortRequests,
     AddRequest,
@@ -55,6 +56,7 @@ from ..wire.messages import (
 from .check import Checked, check, check_pipeline
 from .data_parallel import DataParallelGroup
 from .heap import frozen_while_serving
+from .runner import PendingResult, Runner
 from .speculation import Speculation, build_speculator, check_speculator
 from .stages import Pipeline
 
@@ -69,7 +71,7 @@ class InFlight(NamedTuple):
 
     frame: StepFrame
     started: float
-    launched: Future[PendingStep]
+    launched: Future[PendingResult]
 
 
 class EngineCore:
@@ -105,7 +107,7 @@ class EngineCore:
         policy = spec_policy(caps, attention, config, in_step=self.drafts_in_step)
         pipeline = config.pipeline_parallel_size > 1
         self.speculator: Speculator | None = None
-        self.runner: ModelRunner | Pipeline
+        self.runner: Runner
         if pipeline:
             # The stages hold the weights, the KV and the drafter; the core keeps the requests.
             if policy is not None:  # the first stage learns a step's drafts from its frame, never ahead of it
@@ -151,7 +153,7 @@ class EngineCore:
                       num_kv_blocks=kv.num_blocks, max_model_len=self.max_model_len, model=str(checked.path))
 
     def _local_runner(self, checked: Checked, spec: Speculation | None, kv: KvPlan, k: int,
-                      attention: Any, policy: Any) -> ModelRunner:
+                      attention: AttentionBackend, policy: SpecPolicy | None) -> ModelRunner:
         """The whole target in this process: weights, speculator, runner, graphs."""
         config = self.config
         model = load_model(checked.path, self.dtype, self.platform.device, kv.max_model_len + kv.lookahead_slots)
@@ -168,14 +170,14 @@ class EngineCore:
         model.use_small_batch_ops(config.small_batch_kernels)
         model.use_batch_invariant_ops(config.batch_invariant)
         self.runner = runner
-        runner.graphs = self._capture_graphs(spec.caps if spec is not None else None, k)
-        self._warm_kernels(k)
+        runner.graphs = self._capture_graphs(runner, spec.caps if spec is not None else None, k)
+        self._warm_kernels(runner, k)
         return runner
 
     def _governor(self, caps: SpeculatorCapabilities | None, k: int) -> SpecGovernor | None:
         """The speculation governor, with its step costs timed on the captured graphs where the
         speculator drafts inside the step (its whole cost is in them); None where it is off."""
-        adaptive, graphs = self.config.adaptive_speculation, getattr(self.runner, "graphs", None)
+        adaptive, graphs = self.config.adaptive_speculation, self.runner.graphs
         timed = caps is not None and self.drafts_in_step and graphs is not None
         if caps is None or adaptive is False or (adaptive is None and not timed):
             return None
@@ -189,14 +191,14 @@ class EngineCore:
     def _prompt_tokens_apart(self) -> int:
         """The largest captured prompt graph's tokens, where prompts run apart (0: they share
         steps with decode rows, as they must where no graph serves them anyway)."""
-        graphs = getattr(self.runner, "graphs", None)
+        graphs = self.runner.graphs
         if not self.config.prompts_apart or graphs is None or not graphs.prefill:
             return 0
         return max(graphs.prefill)
 
     def _prompt_batch(self) -> tuple[int, int]:
         """(rows, tokens) of the largest several-prompt graph, where prompts run apart ((1, 0): none)."""
-        graphs = getattr(self.runner, "graphs", None)
+        graphs = self.runner.graphs
         if not self._prompt_tokens_apart() or graphs is None or not graphs.prompt_batches:
             return (1, 0)
         return max(r for r, _ in graphs.prompt_batches), max(t for _, t in graphs.prompt_batches)
@@ -218,11 +220,10 @@ class EngineCore:
     def _build_speculator(self, spec: Speculation, kv: KvPlan) -> Speculator:
         return build_speculator(self.config, spec, self.platform, kv.max_model_len, kv.num_blocks, kv.draft_kv_bytes)
 
-    def _capture_graphs(self, caps: SpeculatorCapabilities | None, k: int) -> StepGraphs | None:
+    def _capture_graphs(self, runner: ModelRunner, caps: SpeculatorCapabilities | None, k: int) -> StepGraphs | None:
         """Device graphs of decode and verification steps (verify width 0 or K) and of lone
         prompts, where the platform and the backend allow; None runs every step eagerly."""
-        config, runner = self.config, self.runner
-        assert isinstance(runner, ModelRunner), "graphs are captured where the weights are"
+        config = self.config
         if not (self.platform.capabilities.supports_graphs and not config.enforce_eager
                 and runner.attention.supports_padding and runner.attention.device_planned):
             return None
@@ -239,14 +240,12 @@ class EngineCore:
             return None
         return graphs
 
-    def _warm_kernels(self, k: int) -> None:
+    def _warm_kernels(self, runner: ModelRunner, k: int) -> None:
         """Builds every Triton kernel variant an eager step can launch (the graphs built theirs),
         then seals the watch: a variant built later is a stall while serving, counted in the
         stats and logged."""
         if not self.platform.capabilities.triton:
             return
-        runner = self.runner
-        assert isinstance(runner, ModelRunner), "kernels are warmed where the weights are"
         started = time.monotonic()
         launches = runner.attention.warm_up(runner.kv_cache[0], self.model_cfg.num_heads)
         # An eager step verifies as many drafts as its rows hold.
@@ -285,9 +284,8 @@ class EngineCore:
                     "(prompt plus at least one generated token)")
             if any(not 0 <= t < self.model_cfg.vocab_size for t in prompt):
                 raise InvalidInputError(f"prompt token ids must lie in [0, {self.model_cfg.vocab_size})")
-            params = msg.params.validate(self.model_cfg.vocab_size)
-            if params.logprobs is not None and self.config.pipeline_parallel_size > 1:
-                raise InvalidSamplingParamsError(NO_PIPELINE_LOGPROBS)
+            params = sampling_params(msg.params, self.model_cfg.vocab_size,
+                                     pipeline=self.config.pipeline_parallel_size > 1)
             if msg.key in self.scheduler.requests:
                 raise InvalidInputError(f"request key {msg.key} is already running")
         except InvalidInputError as e:
@@ -416,9 +414,7 @@ class EngineCore:
             return
         self.speculator_off = error
         self.scheduler.stop_speculation()
-        stop = getattr(self.runner, "stop_speculation", None)
-        if callable(stop):
-            stop()
+        self.runner.stop_speculation()
         self.log.warning("speculator_switched_off", speculator=self.config.speculator,
                          failed_steps=self.speculator_failures_in_a_row, error=error,
                          detail="every step's speculator pass raised; requests continue without drafts")
@@ -504,7 +500,7 @@ class EngineCore:
                     await emit(CoreOutputs(refused))
                 while len(in_flight) < depth and (frame := self.scheduler.schedule()) is not None:
                     self.ledger.submit(frame)
-                    in_flight.append(InFlight(frame, time.perf_counter(), runner.submit(self.runner.launch, frame)))  # type: ignore[arg-type]  # both runners return a pending step
+                    in_flight.append(InFlight(frame, time.perf_counter(), runner.submit(self.runner.launch, frame)))
                 if not in_flight:
                     await self._idle()
                     continue
@@ -582,6 +578,6 @@ def _plugin_stats(speculator: Speculator | None) -> dict[str, float]:
     return dict(stats()) if callable(stats) else {}
 
 
-def _finish(launched: Future[PendingStep]) -> StepResult:
+def _finish(launched: Future[PendingResult]) -> StepResult:
     """Waits for the runner thread to launch the step, then for the device to run it."""
     return launched.result().result()

@@ -21,7 +21,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 import torch
@@ -114,7 +114,7 @@ class DrafterHost:
         if method not in found or method == "remote":
             raise InvalidInputError(f"serve-drafter --method {method!r}: expected one of "
                                     f"{', '.join(m for m in found if m != 'remote')}")
-        self.cls: Any = registry.load("speculator", method)
+        self.cls: type[Speculator] = registry.load("speculator", method)
         self.options = parse_options(method, self.cls.Options, options or {})
         self.draft_model = draft_model
         self.session = secrets.randbits(62)

@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -57,12 +57,14 @@ LINGER_MS = 1000
 EXIT_CRASHED = 1
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
+T = TypeVar("T")
+
 
 class _FrontendGone(Exception):
     pass
 
 
-def _first(buf: memoryview, type_: Any) -> tuple[Any, int]:
+def _first(buf: memoryview, type_: type[T]) -> tuple[T, int]:
     """The complete msgpack object of `type_` that starts `buf`, and its length in bytes."""
     for n in range(1, len(buf) + 1):
         try:
@@ -72,7 +74,7 @@ def _first(buf: memoryview, type_: Any) -> tuple[Any, int]:
     raise ValueError("no such object")
 
 
-def _probe(frames: list[Any]) -> tuple[str, int | None]:
+def _probe(frames: list[zmq.Frame]) -> tuple[str, int | None]:
     """The kind and key / call id of a frame that failed to decode: every frontend message is an
     array [tag, id, ...]. Only the first PROBE_BYTES are read, so a frame's depth never matters
     (skipping a deeply nested element would recurse as deep as decoding it)."""
@@ -171,7 +173,8 @@ class CoreProcess:
         with contextlib.suppress(_FrontendGone):
             self.send(msg)
 
-    def _receive(self, deliver: Callable[[FrontendMessage | Malformed], None], token: Any) -> None:
+    def _receive(self, deliver: Callable[[FrontendMessage | Malformed], None],
+                 token: anyio.lowlevel.EventLoopToken) -> None:
         """Socket thread: decodes and checks frames and hands messages to the loop; a Shutdown
         (sent, or made up when the frontend's process is gone) is the last."""
         decoder = Decoder(FrontendMessage)
@@ -193,7 +196,7 @@ class CoreProcess:
         except RuntimeError:  # the loop ended while a message was on its way: nothing to deliver to
             return
 
-    def _decode(self, decoder: Decoder, frames: list[Any]) -> FrontendMessage | Malformed | None:
+    def _decode(self, decoder: Decoder, frames: list[zmq.Frame]) -> FrontendMessage | Malformed | None:
         """The message, or what can be told of a frame that fails (logged, then dropped)."""
         try:
             msg: FrontendMessage = decoder.decode(frames)

@@ -4,7 +4,7 @@ pipeline stage, the one place a drafter lives when the target is split."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -20,7 +20,7 @@ class Speculation(NamedTuple):
     """The speculator as checked at start: its class, the context it is built with, and what it
     declares for this target."""
 
-    cls: Any
+    cls: type[Speculator]
     ctx: SpeculatorContext
     caps: SpeculatorCapabilities
 
@@ -28,15 +28,16 @@ class Speculation(NamedTuple):
 def check_speculator(checked: Checked, model_cfg: ModelConfig, platform: Platform,
                      dtype: torch.dtype) -> Speculation | None:
     """The named speculator's own checks against this target, and its capabilities for it."""
-    cls = checked.speculator
+    cls, options = checked.speculator, checked.options
     if cls is None:
         return None
+    assert options is not None, "check parses a named speculator's options"
     config = checked.config
     name = config.speculator
     ctx = SpeculatorContext(
         target=model_cfg, target_path=checked.path, device=platform.device, dtype=dtype,
         block_size=config.block_size, max_model_len=checked.max_model_len,
-        num_speculative_tokens=config.num_speculative_tokens, options=checked.options,
+        num_speculative_tokens=config.num_speculative_tokens, options=options,
         draft_model=config.draft_model)
     cls.check(ctx)
     # SpeculatorBase (every built-in) has capabilities_for; a plugin written to the protocol
@@ -63,5 +64,4 @@ def build_speculator(config: EngineConfig, spec: Speculation, platform: Platform
         attention=platform.attention_backend(config.block_size, config.max_num_batched_tokens),
         num_slots=config.max_num_seqs + 1, fused_kernels=platform.capabilities.triton,
         host_gate=platform.host_gate, pin_memory=platform.device.type != "cpu")
-    speculator: Speculator = spec.cls(ctx)
-    return speculator
+    return spec.cls(ctx)

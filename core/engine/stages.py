@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any, cast
 
 import msgspec
@@ -49,12 +50,11 @@ def free_port() -> int:
 class PendingFrame:
     """A step handed to the stages: its result once the last stage's frame is in."""
 
-    def __init__(self, collect: Any) -> None:
+    def __init__(self, collect: Callable[[], StepResult]) -> None:
         self.collect = collect
 
     def result(self) -> StepResult:
-        result: StepResult = self.collect()
-        return result
+        return self.collect()
 
 
 def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -69,7 +69,8 @@ def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 class Pipeline:
-    """Duck-types the runner the core's loop drives: `launch` a frame, its PendingStep's result."""
+    """The `Runner` of a target split into stages: `launch` hands the stages a frame, its
+    PendingFrame's result is the last stage's. The stages replay no graphs the core could time."""
 
     graphs = None
 
@@ -201,6 +202,10 @@ class Pipeline:
 
     def execute(self, frame: StepFrame) -> StepResult:
         return self.launch(frame).result()
+
+    def stop_speculation(self) -> None:
+        """Nothing to stop on the core's side: the last stage's frames carry no speculator
+        error, so the core never switches a pipeline's speculator off."""
 
     def _collect(self, frame: StepFrame) -> StepResult:
         """The last stage's frame for `frame`, as a StepResult the ledger applies."""

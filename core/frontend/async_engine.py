@@ -37,7 +37,7 @@ from ..engine.check import check
 from ..models.checkpoint import load_tokenizer
 from ..models.tokenizer import Tokenizer
 from ..outputs import RequestOutput, Timing, TokenLogprobs
-from ..sampling_params import NO_PIPELINE_LOGPROBS, SamplingParams, check_text, prompt_token_ids, sampling_params
+from ..sampling_params import SamplingParams, check_text, prompt_token_ids, sampling_params
 from ..wire.messages import (
     AbortRequests,
     AddRequest,
@@ -228,9 +228,7 @@ class AsyncEngine:
         """Streams one RequestOutput per delta; a str prompt is tokenized as-is (no template)."""
         client = self._live_client()
         # Everything the core could not take fails here, typed, before anything is sent.
-        params = sampling_params(params, self.info.vocab_size)
-        if params.logprobs is not None and self.config.pipeline_parallel_size > 1:
-            raise errors.InvalidSamplingParamsError(NO_PIPELINE_LOGPROBS)
+        params = sampling_params(params, self.info.vocab_size, pipeline=self.config.pipeline_parallel_size > 1)
         prompt_ids = await self.tokenize(prompt) if isinstance(prompt, str) \
             else prompt_token_ids(prompt, self.info.vocab_size)
         if not prompt_ids:

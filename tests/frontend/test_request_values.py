@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from speckernel import AsyncEngine, EngineConfig, InvalidInputError, InvalidSamplingParamsError, SamplingParams
 from speckernel.models.tokenizer import check_messages
-from speckernel.sampling_params import MIN_TEMPERATURE, prompt_token_ids
+from speckernel.sampling_params import MIN_TEMPERATURE, NO_PIPELINE_LOGPROBS, prompt_token_ids, sampling_params
 from speckernel.wire.codec import Decoder, Encoder
 from speckernel.wire.messages import AddRequest, FrontendMessage
 
@@ -77,6 +77,29 @@ def test_a_temperature_is_zero_or_at_least_the_minimum(temperature: float, want:
 def test_stop_token_ids_must_lie_in_the_vocabulary() -> None:
     with pytest.raises(InvalidSamplingParamsError, match=r"^stop_token_ids: expected token ids in \[0, 99\], got 100"):
         SamplingParams(stop_token_ids=(5, 100)).validate(vocab_size=100)
+
+
+def test_logprobs_are_refused_where_the_target_is_split_into_stages() -> None:
+    with pytest.raises(InvalidSamplingParamsError) as info:
+        sampling_params(SamplingParams(logprobs=0), vocab_size=100, pipeline=True)
+    assert str(info.value) == NO_PIPELINE_LOGPROBS
+    assert sampling_params(SamplingParams(logprobs=0), vocab_size=100).logprobs == 0
+    assert sampling_params(None, vocab_size=100, pipeline=True) == SamplingParams().validate()
+
+
+async def test_the_frontend_and_the_core_refuse_bad_parameters_with_one_text() -> None:
+    """The frontend refuses before it sends, the core refuses the same request from any sender:
+    one check, so one text."""
+    from speckernel.engine.core import EngineCore
+
+    bad = SamplingParams(max_tokens=2, stop_token_ids=(5, 10**6))
+    config = EngineConfig(model="random:tiny", platform="cpu", dtype="float32", max_model_len=64)
+    async with AsyncEngine(msgspec.structs.replace(config, in_process=True)) as engine:
+        with pytest.raises(InvalidSamplingParamsError) as info:
+            async for _ in engine.generate([1, 2], bad):
+                pass
+    refused = EngineCore(config).add_request(AddRequest(0, np.asarray([1, 2]), bad))
+    assert refused is not None and refused.error == f"InvalidSamplingParamsError: {info.value}"
 
 
 @pytest.mark.parametrize("prompt", [[1.5, 2.7], [True, 2], [512], [-1], np.array([1.0, 2.0]), np.array([[1, 2]]),
