@@ -291,7 +291,7 @@ def graphs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("speckernel.runner.step_graphs.PROMPT_BATCH_BUCKETS", ((4, 64),))
     # The kernel warm-up changes no token (tests/runner/test_kernel_warmup.py checks what it
     # builds); interpreted, it would only add a dozen steps to every engine's start.
-    monkeypatch.setattr("speckernel.engine.core.EngineCore._warm_kernels", lambda self, k: None)
+    monkeypatch.setattr("speckernel.engine.core.EngineCore._warm_kernels", lambda self, runner, k: None)
 
 
 NGRAM: dict[str, object] = {"speculator": "ngram", "num_speculative_tokens": 3}
