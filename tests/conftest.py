@@ -118,6 +118,22 @@ def core():  # type: ignore[no-untyped-def]
     return EngineCore(EngineConfig(platform="cpu", max_model_len=1024))
 
 
+def install_speculators(monkeypatch: pytest.MonkeyPatch, module: str, classes: dict[str, type]) -> None:
+    """Test speculators as installed plugins: entry points of the speculator group, beside the real ones."""
+    from importlib.metadata import EntryPoint
+
+    from speckernel import registry
+
+    found = registry.discover
+
+    def discover(kind: registry.Kind) -> dict[str, EntryPoint]:
+        extra = {name: EntryPoint(name, f"{module}:{cls.__name__}", registry.GROUPS["speculator"])
+                 for name, cls in classes.items()} if kind == "speculator" else {}
+        return {**found(kind), **extra}
+
+    monkeypatch.setattr(registry, "discover", discover)
+
+
 def run_to_completion(core, prompts: list[list[int]], params, prefix: str = "r") -> list[list[int]]:  # type: ignore[no-untyped-def]
     """Adds every prompt to an in-process core and steps it until all finish; outputs in order."""
     from speckernel.wire.messages import AddRequest

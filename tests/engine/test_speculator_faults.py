@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator
-from importlib.metadata import EntryPoint
 
 import pytest
 import torch
 
-from speckernel import AsyncEngine, EngineConfig, SamplingParams, registry
+from speckernel import AsyncEngine, EngineConfig, SamplingParams
 from speckernel.engine.core import EngineCore
 from speckernel.plugin import (
     DeviceStates,
@@ -25,7 +23,7 @@ from speckernel.plugin import (
     SpeculatorContext,
 )
 from speckernel.speculators.ngram import NgramSpeculator
-from tests.conftest import run_to_completion
+from tests.conftest import install_speculators, run_to_completion
 
 pytestmark = pytest.mark.xdist_group(__name__)  # one worker builds the module's fixtures
 
@@ -100,17 +98,9 @@ FAULTY = {cls.name: cls for cls in (RepeatLast, RaisesInPropose, RaisesEveryOthe
 
 
 @pytest.fixture(autouse=True)
-def faulty_plugins(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The test speculators as installed plugins: entry points of the speculator group."""
-    found = registry.discover
-
-    def discover(kind: registry.Kind) -> dict[str, EntryPoint]:
-        extra = {name: EntryPoint(name, f"{__name__}:{cls.__name__}", registry.GROUPS["speculator"])
-                 for name, cls in FAULTY.items()} if kind == "speculator" else {}
-        return {**found(kind), **extra}
-
-    monkeypatch.setattr(registry, "discover", discover)
-    yield
+def faulty_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test speculators as installed plugins."""
+    install_speculators(monkeypatch, __name__, FAULTY)
 
 
 @pytest.fixture(scope="module")

@@ -10,18 +10,16 @@ drafts all the same (what `bench hostsync` measures), so the counter sees copies
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from importlib.metadata import EntryPoint
 from typing import Any
 
 import pytest
 import torch
 
-from speckernel import EngineConfig, SamplingParams, registry
+from speckernel import EngineConfig, SamplingParams
 from speckernel.engine.core import EngineCore
 from speckernel.plugin import DeviceStates, Drafts, HostRows, SpeculatorBase, SpeculatorCapabilities
 from speckernel.runner import host_copy
-from tests.conftest import run_to_completion
+from tests.conftest import install_speculators, run_to_completion
 
 K = 3
 BASE = EngineConfig(model="random:tiny", platform="cpu", max_model_len=256, num_kv_blocks=64, seed=0,
@@ -79,17 +77,9 @@ TEST_SPECULATORS = {cls.name: cls for cls in (FixedInStep, FixedAfterStep, Varia
 
 
 @pytest.fixture(autouse=True)
-def test_plugins(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The test speculators as installed plugins: entry points of the speculator group."""
-    found = registry.discover
-
-    def discover(kind: registry.Kind) -> dict[str, EntryPoint]:
-        extra = {name: EntryPoint(name, f"{__name__}:{cls.__name__}", registry.GROUPS["speculator"])
-                 for name, cls in TEST_SPECULATORS.items()} if kind == "speculator" else {}
-        return {**found(kind), **extra}
-
-    monkeypatch.setattr(registry, "discover", discover)
-    yield
+def test_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test speculators as installed plugins."""
+    install_speculators(monkeypatch, __name__, TEST_SPECULATORS)
 
 
 def copies(speculator: str, monkeypatch: pytest.MonkeyPatch, **kw: Any) -> tuple[int, int, int, list[list[int]]]:
