@@ -21,6 +21,8 @@ class StageBootstrap(msgspec.Struct, frozen=True, kw_only=True):
     reports: str
     """Where each stage reports (ready, digests)."""
     threads: int = 0
+    blocks_per_request: int = 0
+    """Block-table width of a step (0: as wide as each step needs), as the engine core plans it."""
 
 
 class RunStep(msgspec.Struct, frozen=True, tag=True):

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import msgspec
@@ -25,14 +27,19 @@ import zmq
 
 from .. import log, registry
 from ..kernel.frame import StepFrame
-from ..kernel.token_frames import FrameMismatchError, frame_from_result, frame_meta, meta_digest
+from ..kernel.token_frames import frame_from_result, frame_meta, meta_digest
 from ..models.loader import load_model
 from ..platform import Platform, parse_dtype
-from ..runner.stage_runner import HiddenLink, StageRunner, StageSlice, split_layers
+from ..plugin import drafting_kind
+from ..runner.model_runner import PendingStep
+from ..runner.stage_runner import StageLinks, StageRunner, StageSlice, split_layers
+from ..transport import TokenFrame
 from ..wire.limits import engine_frame_limit
 from .check import check
+from .fast_path import capture_graphs, use_kernels, warm_kernels
 from .speculation import build_speculator, check_speculator
-from .stage_group import StageGroup, plan_group
+from .stage_group import plan_group
+from .stage_links import DistLink
 from .stage_messages import BEAT_S, Digest, StageBootstrap, StageCommand, StageReport, Stop
 
 
@@ -44,8 +51,48 @@ def _watch_parent(parent: int) -> None:
         time.sleep(0.2)
 
 
+class Publisher:
+    """The last stage's token frames, sent from a thread of their own: the step loop hands over a
+    launched step and goes on to the next, and only this thread waits for the step's copy to the
+    host (polling the device, so no call here synchronises it either)."""
+
+    POLL_S = 50e-6
+
+    def __init__(self, send: Callable[[TokenFrame], None], max_rows: int, k: int,
+                 on_error: Callable[[BaseException], None]) -> None:
+        self.send, self.max_rows, self.k, self.on_error = send, max_rows, k, on_error
+        self.queue: queue.Queue[tuple[StepFrame, PendingStep] | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="speckernel-publisher", daemon=True)
+        self.thread.start()
+
+    def put(self, frame: StepFrame, pending: PendingStep) -> None:
+        self.queue.put((frame, pending))
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            frame, pending = item
+            try:
+                while not pending.ready():
+                    time.sleep(self.POLL_S)
+                self.send(frame_from_result(frame, pending.result(), self.max_rows, self.k))
+            except BaseException as e:  # the stage cannot go on: the engine core must hear of it
+                log.get("stage").exception("publish_failed", step_id=frame.step_id)
+                self.on_error(e)
+                return
+
+    def close(self) -> None:
+        """Sends what is queued, then stops."""
+        self.queue.put(None)
+        self.thread.join()
+
+
 class Stage:
-    def __init__(self, boot: StageBootstrap, rank: int, world: int, platform: Platform, plan: StageGroup) -> None:
+    """One stage's step loop: runs every StepFrame it is handed, in order; the last stage hands
+    each launched step to its publisher."""
+
+    def __init__(self, boot: StageBootstrap, rank: int, world: int, platform: Platform, links: StageLinks,
+                 publish: Callable[[TokenFrame], None] | None = None,
+                 on_error: Callable[[BaseException], None] = lambda e: os._exit(1)) -> None:
         self.boot, self.rank, self.world = boot, rank, world
         config = boot.config
         self.device = platform.device
@@ -61,33 +108,28 @@ class Stage:
         if spec is not None and self.slice.last:  # drafters live on the last stage only
             speculator = build_speculator(config, spec, platform, boot.max_model_len, boot.num_blocks,
                                           boot.draft_kv_bytes)
-        hidden_layers = spec.caps.target_hidden_layers if spec is not None else ()
         self.k = k
-        group = dist.group.WORLD
-        self.link = HiddenLink(group, rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None,
-                               host_staged=plan.host_staged)
         attention = platform.attention_backend(config.block_size, config.max_num_batched_tokens,
                                                max_rows=config.max_num_seqs + 1,
+                                               max_blocks=boot.blocks_per_request,
                                                batch_invariant=config.batch_invariant)
-        model.use_batch_invariant_ops(config.batch_invariant)
+        use_kernels(model, platform, config)
         self.runner = StageRunner(model, self.device, boot.num_blocks, config.block_size, attention,
                                   num_slots=config.max_num_seqs, max_model_len=boot.max_model_len,
-                                  speculator=speculator, num_speculative_tokens=k, use_triton=False,
-                                  max_num_tokens=config.max_num_batched_tokens, stage=self.slice, link=self.link)
-        if not self.slice.last:
-            self.runner.hidden_layers = hidden_layers
-            self.runner.before = sorted(layer for layer in hidden_layers if layer < start)
+                                  speculator=speculator, num_speculative_tokens=k,
+                                  use_triton=platform.capabilities.triton, force_host_drafts=config.force_host_drafts,
+                                  max_num_tokens=config.max_num_batched_tokens, stage=self.slice, links=links,
+                                  hidden_layers=spec.caps.target_hidden_layers if spec is not None else ())
+        in_step = speculator is not None and drafting_kind(type(speculator)) == "in_step"
+        with torch.inference_mode():
+            self.runner.graphs = capture_graphs(self.runner, platform, config, boot.max_model_len, k, in_step)
+            warm_kernels(self.runner, platform, model.cfg.num_heads, k,
+                         min(config.max_num_batched_tokens, boot.max_model_len))
         self.max_rows = config.max_num_seqs
-        transport_cls = registry.load("transport", "torch_dist")
-        self.to_first: Any = None
-        if world > 1 and (self.slice.first or self.slice.last):
-            self.to_first = cast(Any, transport_cls)(group, world - 1 if self.slice.first else 0, self.max_rows, k)
-        self.to_core: Any = None
+        self.publisher = None
         if self.slice.last:
-            self.to_core = cast(Any, registry.load("transport", "zmq"))(
-                boot.results, bind=False, send_timeout_s=None, max_frame_bytes=engine_frame_limit(config))
-        self.history: dict[int, StepFrame] = {}
-        self.seen = -1
+            assert publish is not None
+            self.publisher = Publisher(publish, self.max_rows, k, on_error)
         self.digest = hashlib.sha256()
         self.num_steps = 0
         self.busy_s = 0.0
@@ -95,30 +137,19 @@ class Stage:
     def run_step(self, frame: StepFrame) -> None:
         started = time.perf_counter()
         try:
-            self._run_step(frame)
+            meta_digest(self.digest, frame_meta(frame, self.max_rows, self.k))
+            self.num_steps += 1
+            pending = self.runner.launch(frame)
+            if self.publisher is not None:
+                self.publisher.put(frame, pending)
         finally:
             self.busy_s += time.perf_counter() - started
 
-    def _run_step(self, frame: StepFrame) -> None:
-        meta = frame_meta(frame, self.max_rows, self.k)
-        meta_digest(self.digest, meta)
-        self.num_steps += 1
-        if self.slice.first and not self.slice.last:
-            need = max((r.prev_step_id for r in frame.rows), default=-1)
-            while self.seen < need:
-                got = self.to_first.recv_frame()
-                step = self.history.pop(got.step_id, None)
-                if step is None or not frame_meta(step, self.max_rows, self.k).same_meta(got):
-                    raise FrameMismatchError(f"stage 0 got a token frame for step {got.step_id} it did not run")
-                self.runner.write_frame(step, got)
-                self.seen = got.step_id
-            self.history[frame.step_id] = frame
-        pending = self.runner.launch(frame)
-        if self.slice.last:
-            out = frame_from_result(frame, pending.result(), self.max_rows, self.k)
-            self.to_core.send_frame(out)
-            if self.to_first is not None:
-                self.to_first.send_frame(out)
+    def close(self) -> None:
+        """Publishes what is launched and takes what the stages still owe this one."""
+        if self.publisher is not None:
+            self.publisher.close()
+        self.runner.flush()
 
     def report(self, ready: bool = False) -> StageReport:
         return StageReport(rank=self.rank, ready=ready, num_steps=self.num_steps, meta_digest=self.digest.hexdigest(),
@@ -163,8 +194,23 @@ def main() -> None:
     reports.connect(boot.reports)
     decoder = msgspec.msgpack.Decoder(StageCommand)
     threading.Thread(target=_beat, args=(ctx, boot.reports, rank), daemon=True).start()
+    group, device = dist.group.WORLD, platform.device
+    peers = {p: DistLink(group, p, device, plan.host_staged) for p in {rank - 1, rank + 1, 0, world - 1} - {rank}
+             if 0 <= p < world}
+    links = StageLinks(prev=peers.get(rank - 1), next=peers.get(rank + 1),
+                       tokens=peers.get(world - 1 if rank == 0 else 0) if rank in (0, world - 1) else None)
+    to_core: Any = None
+    if rank == world - 1:
+        to_core = cast(Any, registry.load("transport", "zmq"))(
+            boot.results, bind=False, send_timeout_s=None, max_frame_bytes=engine_frame_limit(boot.config))
+
+    def failed(e: BaseException) -> None:
+        reports.send(msgspec.msgpack.encode(StageReport(rank=rank, error=f"{type(e).__name__}: {e}")))
+        os._exit(1)
+
     try:
-        stage = Stage(boot, rank, world, platform, plan)
+        stage = Stage(boot, rank, world, platform, links, publish=to_core.send_frame if to_core else None,
+                      on_error=failed)
     except Exception as e:
         reports.send(msgspec.msgpack.encode(StageReport(rank=rank, error=f"{type(e).__name__}: {e}")))
         raise
@@ -178,7 +224,9 @@ def main() -> None:
                 reports.send(msgspec.msgpack.encode(stage.report()))
                 continue
             stage.run_step(cmd.frame)
-    stage.link.flush()
+    stage.close()
+    for link in peers.values():
+        link.close()
     reports.close()
     commands.close(linger=0)
     os._exit(0)  # the process group's teardown can wait on peers that already left

@@ -97,7 +97,7 @@ class Pipeline:
             lookahead_slots=kv.lookahead_slots, draft_kv_bytes=kv.draft_kv_bytes,
             commands=[s.getsockopt_string(zmq.LAST_ENDPOINT) for s in self.commands],
             results=self.results.address, reports=self.reports.getsockopt_string(zmq.LAST_ENDPOINT),
-            threads=max(1, (os.cpu_count() or 1) // n))
+            threads=max(1, (os.cpu_count() or 1) // n), blocks_per_request=kv.blocks_per_request(k))
         payload = msgspec.json.encode(boot)
         port = config.pipeline_port or free_port()
         self.procs: list[subprocess.Popen[bytes]] = []
