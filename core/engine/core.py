@@ -98,6 +98,7 @@ class EngineCore:
             # Data-parallel ranks on one host share its device: each takes its share of what is
             # free (they start at once, so each would otherwise plan on memory another takes).
             budget_bytes=lambda: self.platform.kv_budget_bytes() // config.data_parallel_size)
+        self.kv = kv
         self.max_model_len = kv.max_model_len
         attention = self.platform.attention_backend(config.block_size, config.max_num_batched_tokens,
                                                     max_rows=config.max_num_seqs + 1,
