@@ -87,13 +87,19 @@ def check_row_kinds(make_pair: MakePair, max_rows: int = 4, max_k: int = 4) -> N
         rx.close()
 
 
-def check_hidden(make_pair: MakePair, max_rows: int = 2, max_k: int = 1) -> None:
+def check_tensors(make_pair: MakePair, max_rows: int = 2, max_k: int = 1) -> None:
+    """Tensors arrive in order, equal, of their dtype (bfloat16 too), and the sender may overwrite
+    its own right after sending."""
+    import torch  # the suite's tensor checks only: the frame checks run without torch
+
     tx, rx, _ = make_pair(max_rows, max_k)
     try:
-        hidden = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
-        tx.send_hidden(5, hidden)
-        step, got = rx.recv_hidden(timeout_s=10.0)
-        assert step == 5 and np.array_equal(got, hidden), "hidden states changed in transit"
+        hidden = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+        tx.send_tensor(5, hidden)
+        hidden.zero_()
+        got = rx.recv_tensor(5, (2, 3, 4), torch.float32, timeout_s=10.0)
+        assert torch.equal(got.cpu(), torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)), \
+            "a tensor changed in transit (or the transport read it after the sender overwrote it)"
     finally:
         tx.close()
         rx.close()
@@ -135,7 +141,7 @@ def check_dead_peer(make_pair: MakePair, timeout_s: float = 1.0) -> None:
         rx.close()
 
 
-CHECKS = (check_ordering, check_row_kinds, check_hidden, check_timeout, check_dead_peer)
+CHECKS = (check_ordering, check_row_kinds, check_tensors, check_timeout, check_dead_peer)
 
 
 def check_transport(make_pair: MakePair) -> None:
