@@ -156,15 +156,7 @@ class HostTensor(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """The tensor's bytes, uint8, flat."""
 
 
-class HiddenStates(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """The former hidden-state message (numpy, host staged): kept only until every transport
-    carries tensors through send_tensor / recv_tensor."""
-
-    step_id: int
-    data: np.ndarray
-
-
-TransportMessage = TokenFrame | HostTensor | HiddenStates
+TransportMessage = TokenFrame | HostTensor
 """What a host channel carries (for transports that frame with `speckernel.wire.codec`)."""
 
 
