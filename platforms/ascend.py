@@ -17,7 +17,8 @@ from speckernel.platforms.accelerator import TorchAcceleratorPlatform
 class AscendPlatform(TorchAcceleratorPlatform):
     name = "ascend"
     capabilities = PlatformCapabilities(device_type="npu", default_dtype="bfloat16", dist_backend="hccl",
-                                        supports_graphs=True, priority=5)
+                                        supports_graphs=True, priority=5,
+                                        preferred_transports=("torch_dist",))
     graph_class = "NPUGraph"
 
     @classmethod
