@@ -114,7 +114,7 @@ class EngineCore:
             # The stages hold the weights, the KV and the drafter; the core keeps the requests.
             if policy is not None:  # the first stage learns a step's drafts from its frame, never ahead of it
                 policy = msgspec.structs.replace(policy, run_ahead=False)
-            self.runner = Pipeline(config, checked, kv, k)
+            self.runner = Pipeline(config, checked, kv, k, self.platform.capabilities)
         else:
             self.runner = self._local_runner(checked, spec, kv, k, attention, policy)
         self.scheduler = Scheduler(BlockManager(kv.num_blocks, config.block_size),
@@ -223,7 +223,7 @@ class EngineCore:
         return capture_graphs(runner, self.platform, self.config, self.max_model_len, k, self.drafts_in_step)
 
     def _warm_kernels(self, runner: ModelRunner, k: int) -> None:
-        builds = warm_kernels(runner, self.platform, self.model_cfg.num_heads, k,
+        builds = warm_kernels(runner, runner.kv_cache[0], self.platform, self.model_cfg.num_heads, k,
                               min(self.config.max_num_batched_tokens, self.max_model_len))
         if self.platform.capabilities.triton:
             self.kernel_builds_at_ready = builds

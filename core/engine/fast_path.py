@@ -5,14 +5,19 @@ variant built before the first request. One place, so a stage is never a second,
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from .. import log as logmod
 from ..config import EngineConfig
-from ..models.llama import LlamaModel
 from ..ops.jit_watch import WATCH as JIT_WATCH
 from ..platform import Platform
-from ..runner.model_runner import ModelRunner
 from ..runner.step_graphs import StepGraphs, prefill_buckets, prompt_batch_buckets, warm_eager
+from ..runner.step_shape import StepDevice
+
+if TYPE_CHECKING:  # annotations only: the callers built them
+    import torch
+
+    from ..models.llama import LlamaModel
 
 log = logmod.get("fast_path")
 
@@ -26,7 +31,7 @@ def use_kernels(model: LlamaModel, platform: Platform, config: EngineConfig) -> 
     model.use_batch_invariant_ops(config.batch_invariant)
 
 
-def capture_graphs(runner: ModelRunner, platform: Platform, config: EngineConfig, max_model_len: int, k: int,
+def capture_graphs(runner: StepDevice, platform: Platform, config: EngineConfig, max_model_len: int, k: int,
                    drafts_in_step: bool) -> StepGraphs | None:
     """Device graphs of decode and verification steps (verify width 0 or K) and of lone prompts,
     where the platform and the backend allow; None runs every step eagerly."""
@@ -47,14 +52,16 @@ def capture_graphs(runner: ModelRunner, platform: Platform, config: EngineConfig
     return graphs
 
 
-def warm_kernels(runner: ModelRunner, platform: Platform, num_heads: int, k: int, max_tokens: int) -> int:
+def warm_kernels(runner: StepDevice, kv_layer: torch.Tensor, platform: Platform, num_heads: int, k: int,
+                 max_tokens: int) -> int:
     """Builds every Triton kernel variant an eager step can launch (the graphs built theirs),
     then seals the watch: a variant built later is a stall while serving, counted in the stats
-    and logged. Returns the kernel builds so far (0 where Triton does not run)."""
+    and logged. kv_layer: one layer's KV cache. Returns the kernel builds so far (0 where Triton
+    does not run)."""
     if not platform.capabilities.triton:
         return 0
     started = time.monotonic()
-    launches = runner.attention.warm_up(runner.kv_cache[0], num_heads)
+    launches = runner.attention.warm_up(kv_layer, num_heads)
     # An eager step verifies as many drafts as its rows hold.
     steps = warm_eager(runner, range(k + 1), max_tokens)
     platform.synchronize()

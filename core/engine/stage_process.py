@@ -1,16 +1,18 @@
 """Entry point of a pipeline stage process: `python -m speckernel.engine.stage_process`.
 
-It joins the stages' torch.distributed group through the env:// rendezvous (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT, as torchrun sets them), reads its StageBootstrap on stdin, loads its
-slice of the target (the last stage also builds the speculator), says it is ready, then runs
-every StepFrame the engine core sends, in order. The last stage publishes each step's
-TokenFrame to the engine core (zmq transport) and to the first stage (torch_dist transport),
-which writes the sampled tokens and drafts into its token buffer before a step that reads them.
-It exits on Stop, and by itself when the process that started it is gone.
+It meets the other stages at the env:// rendezvous (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+as torchrun sets them), reads its StageBootstrap on stdin, opens its links of the configured
+transport (`stage_links`), loads its slice of the target (the last stage also builds the
+speculator) on the single stage's fast path, says it is ready, then runs every StepFrame the
+engine core sends, in order. The stages hand each other the residual stream, and the last
+stage hands the first, device to device, the tokens each step wrote; it publishes each step's
+TokenFrame to the engine core from a thread of its own, so its step loop never waits on the
+host for the device. It exits on Stop, and by itself when the process that started it is gone.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import os
 import queue
@@ -18,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 import torch
@@ -33,14 +35,17 @@ from ..platform import Platform, parse_dtype
 from ..plugin import drafting_kind
 from ..runner.model_runner import PendingStep
 from ..runner.stage_runner import StageLinks, StageRunner, StageSlice, split_layers
-from ..transport import TokenFrame
+from ..transport import TokenFrame, Transport, TransportContext
 from ..wire.limits import engine_frame_limit
 from .check import check
 from .fast_path import capture_graphs, use_kernels, warm_kernels
 from .speculation import build_speculator, check_speculator
-from .stage_group import plan_group
-from .stage_links import DistLink
+from .stage_group import StageGroup, plan_group
+from .stage_links import RENDEZVOUS_TIMEOUT_S, open_link, open_stage_links
 from .stage_messages import BEAT_S, Digest, StageBootstrap, StageCommand, StageReport, Stop
+
+CORE_SEND_TIMEOUT_S = 30.0
+"""How long the last stage's send of a token frame may wait for the engine core to take one."""
 
 
 def _watch_parent(parent: int) -> None:
@@ -81,9 +86,9 @@ class Publisher:
                 return
 
     def close(self) -> None:
-        """Sends what is queued, then stops."""
+        """Sends what is queued, then stops (giving up after CORE_SEND_TIMEOUT_S)."""
         self.queue.put(None)
-        self.thread.join()
+        self.thread.join(CORE_SEND_TIMEOUT_S)
 
 
 class Stage:
@@ -123,7 +128,7 @@ class Stage:
         in_step = speculator is not None and drafting_kind(type(speculator)) == "in_step"
         with torch.inference_mode():
             self.runner.graphs = capture_graphs(self.runner, platform, config, boot.max_model_len, k, in_step)
-            warm_kernels(self.runner, platform, model.cfg.num_heads, k,
+            warm_kernels(self.runner, self.runner.kv_cache[0], platform, model.cfg.num_heads, k,
                          min(config.max_num_batched_tokens, boot.max_model_len))
         self.max_rows = config.max_num_seqs
         self.publisher = None
@@ -146,10 +151,10 @@ class Stage:
             self.busy_s += time.perf_counter() - started
 
     def close(self) -> None:
-        """Publishes what is launched and takes what the stages still owe this one."""
+        """Publishes what is launched (token windows still owed to the first stage are dropped:
+        their steps' output is the engine core's already)."""
         if self.publisher is not None:
             self.publisher.close()
-        self.runner.flush()
 
     def report(self, ready: bool = False) -> StageReport:
         return StageReport(rank=self.rank, ready=ready, num_steps=self.num_steps, meta_digest=self.digest.hexdigest(),
@@ -172,6 +177,36 @@ def _beat(ctx: zmq.Context[Any], address: str, rank: int) -> None:
         time.sleep(BEAT_S)
 
 
+def _say(ctx: zmq.Context[Any], address: str, report: StageReport) -> None:
+    """One report from a socket of its own (any thread may say a stage failed)."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(address)
+    sock.send(msgspec.msgpack.encode(report))
+    sock.close()
+
+
+def open_links(boot: StageBootstrap, platform: Platform, plan: StageGroup, rank: int,
+               world: int) -> tuple[Any, dict[int, Transport], Transport | None]:
+    """The rendezvous store (stage 0 serves it: keep it while the stage runs), this stage's ends of
+    its links to other stages (by peer rank) and, on the last stage, of its link to the engine
+    core, all of the configured transport. The addresses of the links between stages come from
+    the rendezvous (MASTER_ADDR, MASTER_PORT, as torchrun sets them)."""
+    config = boot.config
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
+                          datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S), wait_for_workers=False)
+    base = TransportContext(rank=rank, peer=rank, world=world, device=str(platform.device),
+                            dist_backend="gloo" if plan.host_staged else platform.capabilities.dist_backend,
+                            max_rows=config.max_num_seqs, max_k=boot.k, address="", timeout_s=None,
+                            max_frame_bytes=engine_frame_limit(config))
+    ends = open_stage_links(boot.transport, store, base, config.pipeline_host)
+    to_core = None
+    if rank == world - 1:
+        to_core = open_link(boot.transport, msgspec.structs.replace(
+            base, peer=-1, address=boot.results, bind=False, timeout_s=CORE_SEND_TIMEOUT_S))
+    return store, ends, to_core
+
+
 def main() -> None:
     boot = msgspec.json.decode(sys.stdin.buffer.read(), type=StageBootstrap)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
@@ -183,8 +218,7 @@ def main() -> None:
     platform = platform.on_device(plan.device_index)
     if platform.device.type != "cpu":  # kernels launch on the current device, as torchrun's workers set it
         torch.get_device_module(platform.device).set_device(platform.device)
-    dist.init_process_group(plan.backend, init_method="env://")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
     commands.setsockopt(zmq.MAXMSGSIZE, engine_frame_limit(boot.config))  # a larger frame drops the link
@@ -194,21 +228,15 @@ def main() -> None:
     reports.connect(boot.reports)
     decoder = msgspec.msgpack.Decoder(StageCommand)
     threading.Thread(target=_beat, args=(ctx, boot.reports, rank), daemon=True).start()
-    group, device = dist.group.WORLD, platform.device
-    peers = {p: DistLink(group, p, device, plan.host_staged) for p in {rank - 1, rank + 1, 0, world - 1} - {rank}
-             if 0 <= p < world}
-    links = StageLinks(prev=peers.get(rank - 1), next=peers.get(rank + 1),
-                       tokens=peers.get(world - 1 if rank == 0 else 0) if rank in (0, world - 1) else None)
-    to_core: Any = None
-    if rank == world - 1:
-        to_core = cast(Any, registry.load("transport", "zmq"))(
-            boot.results, bind=False, send_timeout_s=None, max_frame_bytes=engine_frame_limit(boot.config))
 
     def failed(e: BaseException) -> None:
-        reports.send(msgspec.msgpack.encode(StageReport(rank=rank, error=f"{type(e).__name__}: {e}")))
+        _say(ctx, boot.reports, StageReport(rank=rank, error=f"{type(e).__name__}: {e}"))
         os._exit(1)
 
     try:
+        _rendezvous, ends, to_core = open_links(boot, platform, plan, rank, world)  # held: stage 0 serves it
+        links = StageLinks(prev=ends.get(rank - 1), next=ends.get(rank + 1),
+                           tokens=ends.get(world - 1 if rank == 0 else 0) if rank in (0, world - 1) else None)
         stage = Stage(boot, rank, world, platform, links, publish=to_core.send_frame if to_core else None,
                       on_error=failed)
     except Exception as e:
@@ -225,11 +253,14 @@ def main() -> None:
                 continue
             stage.run_step(cmd.frame)
     stage.close()
-    for link in peers.values():
-        link.close()
+    for end in [*ends.values(), *([to_core] if to_core is not None else [])]:
+        try:
+            end.close()
+        except Exception:  # a peer that left first: nothing is owed at a stop
+            pass
     reports.close()
     commands.close(linger=0)
-    os._exit(0)  # the process group's teardown can wait on peers that already left
+    os._exit(0)  # a transport's teardown can wait on peers that already left
 
 
 if __name__ == "__main__":

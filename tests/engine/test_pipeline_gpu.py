@@ -86,7 +86,7 @@ class LocalPipeline:
         k = config.num_speculative_tokens if config.speculator else 0
         boot = StageBootstrap(config=config, num_blocks=kv.num_blocks, max_model_len=kv.max_model_len,
                               lookahead_slots=kv.lookahead_slots, draft_kv_bytes=kv.draft_kv_bytes, commands=[],
-                              results="", reports="", blocks_per_request=kv.blocks_per_request(k))
+                              results="", reports="", transport="", k=k, blocks_per_request=kv.blocks_per_request(k))
         platform = registry.pick_platform("cuda")
         hidden, tokens = LocalLink(), LocalLink()
         self.published: queue.Queue[TokenFrame] = queue.Queue()
