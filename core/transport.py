@@ -35,6 +35,11 @@ tokens of a 8192-wide float32 model; the engine passes the bound of its own link
 (`speckernel.wire.limits`)."""
 
 
+MIN_IN_FLIGHT = 12
+"""Tensors a sender may have in flight before a send may wait for the receiver (pipeline stages
+run a few steps ahead of each other)."""
+
+
 class TransportContext(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a transport is built from: one end of one link between two parties (two
     stages, or a stage and the engine core). Both ends get the same context but for rank, peer,
@@ -188,7 +193,9 @@ class Transport(Protocol):
     def send_tensor(self, step_id: int, tensor: torch.Tensor) -> None:
         """Enqueues `tensor` for the peer after the work already issued on the current stream, with
         no host sync; the transport reads it in that stream order, so work issued afterwards may
-        overwrite it. Tensors arrive in order."""
+        overwrite it. Tensors arrive in order. With `MIN_IN_FLIGHT` or more tensors sent and not
+        yet received, a transport may make the host wait (up to ctx.timeout_s) for the peer to
+        receive one; below that it never does."""
         ...
 
     def recv_tensor(self, step_id: int, shape: tuple[int, ...], dtype: torch.dtype,

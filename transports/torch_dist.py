@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import urllib.parse
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Self
 
@@ -36,6 +37,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32
 """Dtypes a tensor header can name (by index)."""
 HEADER = 3 + MAX_DIMS
 """A tensor's header: step id, dtype index, ndim, the dims."""
+MAX_SENDS = 2 * 16
+"""Sends kept in flight (a tensor is two: header and payload): past this, a send waits on the
+host for the oldest, which holds while the peer lags MIN_IN_FLIGHT tensors or fewer."""
 GROUP_TIMEOUT = datetime.timedelta(days=365)
 """The gloo group's own timeout: receives wait on helper threads, the caller bounds its own wait."""
 
@@ -99,7 +103,8 @@ class TorchDistTransport:
         self.waiter = ThreadPoolExecutor(3, thread_name_prefix="torch-dist-recv")
         """Waits on posted receives, one thread per tag: the caller waits on the future with its
         timeout, since a gloo wait that times out closes the pair for good."""
-        self.sends: list[tuple[Any, torch.Tensor]] = []
+        self.sends: deque[tuple[Any, torch.Tensor]] = deque()
+        """Sends in flight, with their tensors (the backend reads them until done)."""
         self.header: list[int] | None = None
         """A tensor's header received, its payload not yet (a receive timed out between them)."""
         self.closed = False
@@ -126,15 +131,24 @@ class TorchDistTransport:
     def _send(self, tensor: torch.Tensor, tag: int, group: Any = None) -> None:
         if self.closed:
             raise ConnectionError("torch_dist transport is closed")
-        self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
-        self.sends.append(((group or self.group).send([tensor], self.peer, tag), tensor))
+        try:
+            self.sends.append(((group or self.group).send([tensor], self.peer, tag), tensor))
+            while self.sends and self.sends[0][0].is_completed():
+                self.sends.popleft()
+            while len(self.sends) > MAX_SENDS:  # gloo reports a send done only once waited on
+                self.sends.popleft()[0].wait()
+        except RuntimeError as e:  # the pair is closed: the peer is gone
+            raise ConnectionError(f"torch_dist peer at {self.address}: {e}") from e
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, tag: int, timeout_s: float | None) -> torch.Tensor:
         if self.closed:
             raise ConnectionError("torch_dist transport is closed")
         if tag not in self.posted:
             buf = torch.empty(shape, dtype=dtype)
-            work = self.group.recv([buf], self.peer, tag)
+            try:
+                work = self.group.recv([buf], self.peer, tag)
+            except RuntimeError as e:  # the pair is already closed: the peer is gone
+                raise ConnectionError(f"torch_dist peer at {self.address}: {e}") from e
             self.posted[tag] = (self.waiter.submit(work.wait), buf)
         done, buf = self.posted[tag]
         try:

@@ -62,7 +62,7 @@ def open_both(name: str, rx_ctx: TransportContext, tx_ctx: TransportContext) -> 
 def pair_of(name: str, address: Callable[[], str]) -> Callable[[int, int], Pair]:
     def make_pair(max_rows: int, max_k: int) -> Pair:
         where = address()
-        if name == "zmq":  # zmq binds a port of its choosing and says which
+        if name in ("zmq", "cuda_ipc"):  # a zmq channel binds a port of its choosing and says which
             rx = registry.load("transport", name).open(context(max_rows, max_k, where, True))
             tx = registry.load("transport", name).open(context(max_rows, max_k, rx.address, False))
         else:
@@ -75,6 +75,7 @@ def pair_of(name: str, address: Callable[[], str]) -> Callable[[int, int], Pair]
 ADDRESSES: dict[str, Callable[[], str]] = {
     "inproc": lambda: f"inproc://{uuid.uuid4().hex}",
     "zmq": lambda: "tcp://127.0.0.1:*",
+    "cuda_ipc": lambda: "tcp://127.0.0.1:*",
     "torch_dist": lambda: f"tcp://127.0.0.1:{free_port()}",
 }
 
