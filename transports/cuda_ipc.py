@@ -234,6 +234,8 @@ class CudaIpcTransport:
         return CudaMemory(*share)
 
     def send_tensor(self, step_id: int, tensor: torch.Tensor) -> None:
+        while not self.free and self._pump(0):  # credits the receiver already sent
+            pass
         if not self.free and len(self.slots) < MAX_RING:
             self.slots.append(Slot())
             self.free.append(len(self.slots) - 1)

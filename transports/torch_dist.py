@@ -124,8 +124,9 @@ class TorchDistTransport:
         data_group = None
         if device.type != "cpu" and ctx.dist_backend != "gloo":
             data_group = device_group(ctx.dist_backend, dist.PrefixStore("data", store), me, timeout)
-            probe = torch.ones(1, device=device)  # forms the device communicator now, not on the first step
-            data_group.allreduce([probe]).wait()
+            probe = torch.ones(1, device=device)  # forms the p2p communicator now: later sends never wait for it
+            for sender in (0, 1):
+                (data_group.send if me == sender else data_group.recv)([probe], 1 - me, 0).wait()
         return cls(group, 1 - me, ctx.max_rows, ctx.max_k, device, data_group, ctx.address, store)
 
     def _send(self, tensor: torch.Tensor, tag: int, group: Any = None) -> None:
