@@ -8,7 +8,8 @@ into a free slot on the current stream and records the slot's IPC event there; a
 its current stream wait on that event, copies the slot out into a fresh tensor and records its
 own IPC event for the slot. A small host channel, a zmq PAIR socket at `ctx.address`, carries
 the step id, slot, dtype and shape of each tensor (and a slot's memory and event handles the
-first time they are needed), the receiver's credits, and the token frames. A slot is reused only
+first time they are needed), the receiver's credits, and the token frames; its dropped connection
+(a peer that died) or a goodbye (one that closed) fails the receives at once. A slot is reused only
 after its credit came back, and the sender's stream first waits on the receiver's event, so
 the slot is overwritten only after the receiver's copy out of it has passed on the device. A
 sender with no credit waits on the host for one (the receiver has issued its copy), at most
@@ -34,6 +35,7 @@ from typing import Any, Self
 import msgspec
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from speckernel.transport import StepMismatchError, TokenFrame, TransportCapabilities, TransportContext
 from speckernel.wire.codec import Decoder, Encoder
@@ -43,6 +45,8 @@ RING = 4
 MAX_RING = 16
 """Slots a direction may grow to when the receiver lags: with this many tensors in flight, a
 sender waits on the host for a credit."""
+BYE_LINGER_MS = 200
+"""How long a closing end keeps trying to deliver its goodbye."""
 MIN_SLOT_BYTES = 1 << 20
 """A slot's first size; it grows to the next power of two that holds a larger tensor."""
 
@@ -142,6 +146,14 @@ class CudaIpcTransport:
         self.owned: list[shared_memory.SharedMemory] = []
         self.mapped: list[shared_memory.SharedMemory] = []
         """Shared host memory this end created (it unlinks it) and that it maps of the peer's."""
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        """Tells when the peer's connection drops (its process died): receives then fail at once."""
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self.send_poller = zmq.Poller()
+        self.send_poller.register(sock, zmq.POLLOUT)
+        self.send_poller.register(self.monitor, zmq.POLLIN)
         self.peer_gone = False
         self.closed = False
 
@@ -151,24 +163,45 @@ class CudaIpcTransport:
         sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.PAIR)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, ctx.max_frame_bytes)
-        sock.setsockopt(zmq.SNDTIMEO, -1 if ctx.timeout_s is None else int(ctx.timeout_s * 1000))
         (sock.bind if ctx.bind else sock.connect)(ctx.address)
         return cls(ctx, sock)
 
     # --- the host channel ----------------------------------------------------------------------
 
     def _send(self, msg: Message) -> None:
+        """Sends without blocking while the peer takes messages; otherwise waits for room up to
+        ctx.timeout_s, failing at once if the peer's connection drops (a credit for a peer that is
+        gone is dropped instead)."""
         if self.closed:
             raise ConnectionError("cuda_ipc transport is closed")
-        try:
-            self.sock.send_multipart(self.encoder.encode(msg), copy=False)
-        except zmq.Again:
-            raise TimeoutError(f"cuda_ipc {self.address}: no peer took a message within {self.ctx.timeout_s} s") \
-                from None
+        frames = self.encoder.encode(msg)
+        deadline = None if self.ctx.timeout_s is None else _now_ms() + int(self.ctx.timeout_s * 1000)
+        while True:
+            try:
+                self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+            left = None if deadline is None else deadline - _now_ms()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"cuda_ipc {self.address}: no peer took a message within {self.ctx.timeout_s} s")
+            ready = dict(self.send_poller.poll(left))
+            if self.monitor in ready:
+                recv_monitor_message(self.monitor)
+                self.peer_gone = True
+            if self.peer_gone:
+                if isinstance(msg, Freed):
+                    return
+                raise ConnectionError(f"cuda_ipc {self.address}: the peer closed the link or died")
 
     def _pump(self, deadline_ms: int | None) -> bool:
-        """Reads one message from the channel into its queue; False when none came in time."""
-        if not self.sock.poll(deadline_ms):
+        """Reads one message from the channel into its queue; False when none came in time (or
+        the peer's connection dropped, which sets peer_gone)."""
+        ready = dict(self.poller.poll(deadline_ms))
+        if self.sock not in ready:
+            if self.monitor in ready:
+                recv_monitor_message(self.monitor)
+                self.peer_gone = True
             return False
         try:
             msg = self.decoder.decode(self.sock.recv_multipart(copy=False))
@@ -191,8 +224,8 @@ class CudaIpcTransport:
             raise ConnectionError("cuda_ipc transport is closed")
         deadline = None if timeout_s is None else _now_ms() + int(timeout_s * 1000)
         while not queue:
-            if self.peer_gone:
-                raise ConnectionError(f"cuda_ipc {self.address}: the peer closed the link")
+            if self.peer_gone and not self._pump(0):  # what the peer sent before it went still counts
+                raise ConnectionError(f"cuda_ipc {self.address}: the peer closed the link or died")
             left = None if deadline is None else max(0, deadline - _now_ms())
             if not self._pump(left) and deadline is not None and _now_ms() >= deadline:
                 raise TimeoutError(f"cuda_ipc {self.address}: no {what} within {timeout_s} s")
@@ -323,7 +356,9 @@ class CudaIpcTransport:
         except zmq.ZMQError:  # no peer connected, or its queue is full: it times out instead
             pass
         self.closed = True
-        self.sock.close(linger=0)
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=BYE_LINGER_MS)
         for slot in self.slots:
             slot.buffer = None  # a view of shared memory keeps its mapping open
         for mirror in self.mirrors:

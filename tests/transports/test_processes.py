@@ -4,6 +4,7 @@ GPU, as pipeline stages sharing it are; torch_dist over nccl where two GPUs exis
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import cast
 
@@ -80,4 +81,20 @@ def test_cuda_ipc_steady_state_never_waits_for_the_device() -> None:
         assert sums.tolist() == [float(s * shape[0] * shape[1]) for s in range(20, 40)]
     finally:
         tx.close()
+        rx.close()
+
+
+def test_cuda_ipc_notices_a_killed_peer_at_once() -> None:
+    """A receive fails as soon as the sender's process is gone, not when its timeout ends; what
+    the sender sent before it died still arrives first."""
+    tx, rx, kill = two_processes("cuda_ipc")(2, 1)
+    try:
+        tx.send_tensor(0, torch.ones(3))
+        kill()
+        assert rx.recv_tensor(0, (3,), torch.float32, timeout_s=30.0).tolist() == [1.0] * 3
+        started = time.monotonic()
+        with pytest.raises(ConnectionError, match="died"):
+            rx.recv_frame(timeout_s=30.0)
+        assert time.monotonic() - started < 5.0
+    finally:
         rx.close()
