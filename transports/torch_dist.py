@@ -6,14 +6,16 @@ Host metadata (token frames, each tensor's header) travels on a gloo group. Tens
 the device over the platform's backend where the device has one (nccl on CUDA, hccl on Ascend):
 the process group runs its p2p on its own side stream, which waits on an event of the current
 stream before a send, and a receive's `wait()` makes the current stream wait on the side
-stream's event, so neither end's host waits for its device. On the CPU, tensors ride gloo too.
+stream's event, so neither end's host waits for its device. On the CPU, tensors ride gloo too; a
+device end whose backend is gloo (two stages on one GPU, which nccl refuses) stages tensors
+through the host and waits for the device on each send: cuda_ipc serves that case.
 
 A frame travels as one int64 tensor whose size follows from (max_rows, max_k), which both ends
 know, so a receiver posts its buffer before the frame exists. A receive waits at most its
 timeout (a helper thread does the backend's wait: gloo closes a pair whose wait timed out), and
 stays posted, so the next call picks up where it left; a peer that is gone makes the backend fail
 the receive, which surfaces as ConnectionError (or TimeoutError when the backend only notices by
-waiting). Two ranks on one GPU are refused by nccl: cuda_ipc serves that case.
+waiting).
 """
 
 from __future__ import annotations
