@@ -35,6 +35,11 @@ tokens of a 8192-wide float32 model; the engine passes the bound of its own link
 (`speckernel.wire.limits`)."""
 
 
+MIN_IN_FLIGHT = 12
+"""Tensors a sender may have in flight before a send may wait for the receiver (pipeline stages
+run a few steps ahead of each other)."""
+
+
 class TransportContext(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a transport is built from: one end of one link between two parties (two
     stages, or a stage and the engine core). Both ends get the same context but for rank, peer,
@@ -155,6 +160,28 @@ class HostTensor(msgspec.Struct, frozen=True, tag=True, array_like=True):
     data: np.ndarray
     """The tensor's bytes, uint8, flat."""
 
+    @classmethod
+    def of(cls, step_id: int, tensor: torch.Tensor) -> HostTensor:
+        """A copy of `tensor` on the host (from a device, this waits for it): the caller's stays its own."""
+        import torch  # host transports only: the kernel reads this module without torch
+
+        host = tensor.detach().to("cpu", copy=True).contiguous()
+        data = host.reshape(-1).view(torch.uint8).numpy()
+        return cls(step_id, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), data)
+
+    def tensor(self, step_id: int, shape: tuple[int, ...], dtype: torch.dtype, device: str,
+               where: str) -> torch.Tensor:
+        """The tensor on `device`, after checking it is the one asked for (StepMismatchError names
+        `where` otherwise)."""
+        import torch  # host transports only: the kernel reads this module without torch
+
+        want = str(dtype).removeprefix("torch.")
+        if self.step_id != step_id or tuple(self.shape) != tuple(shape) or self.dtype != want:
+            raise StepMismatchError(f"{where}: expected step {step_id} {tuple(shape)} {want}, "
+                                    f"got step {self.step_id} {tuple(self.shape)} {self.dtype}")
+        flat = torch.frombuffer(bytearray(self.data), dtype=torch.uint8)  # a writable copy of the bytes
+        return flat.view(dtype).reshape(shape).to(device, non_blocking=True)
+
 
 TransportMessage = TokenFrame | HostTensor
 """What a host channel carries (for transports that frame with `speckernel.wire.codec`)."""
@@ -188,7 +215,9 @@ class Transport(Protocol):
     def send_tensor(self, step_id: int, tensor: torch.Tensor) -> None:
         """Enqueues `tensor` for the peer after the work already issued on the current stream, with
         no host sync; the transport reads it in that stream order, so work issued afterwards may
-        overwrite it. Tensors arrive in order."""
+        overwrite it. Tensors arrive in order. With `MIN_IN_FLIGHT` or more tensors sent and not
+        yet received, a transport may make the host wait (up to ctx.timeout_s) for the peer to
+        receive one; below that it never does."""
         ...
 
     def recv_tensor(self, step_id: int, shape: tuple[int, ...], dtype: torch.dtype,

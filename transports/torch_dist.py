@@ -6,20 +6,23 @@ Host metadata (token frames, each tensor's header) travels on a gloo group. Tens
 the device over the platform's backend where the device has one (nccl on CUDA, hccl on Ascend):
 the process group runs its p2p on its own side stream, which waits on an event of the current
 stream before a send, and a receive's `wait()` makes the current stream wait on the side
-stream's event, so neither end's host waits for its device. On the CPU, tensors ride gloo too.
+stream's event, so neither end's host waits for its device. On the CPU, tensors ride gloo too; a
+device end whose backend is gloo (two stages on one GPU, which nccl refuses) stages tensors
+through the host and waits for the device on each send: cuda_ipc serves that case.
 
 A frame travels as one int64 tensor whose size follows from (max_rows, max_k), which both ends
 know, so a receiver posts its buffer before the frame exists. A receive waits at most its
 timeout (a helper thread does the backend's wait: gloo closes a pair whose wait timed out), and
 stays posted, so the next call picks up where it left; a peer that is gone makes the backend fail
 the receive, which surfaces as ConnectionError (or TimeoutError when the backend only notices by
-waiting). Two ranks on one GPU are refused by nccl: cuda_ipc serves that case.
+waiting).
 """
 
 from __future__ import annotations
 
 import datetime
 import urllib.parse
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Self
 
@@ -36,6 +39,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32
 """Dtypes a tensor header can name (by index)."""
 HEADER = 3 + MAX_DIMS
 """A tensor's header: step id, dtype index, ndim, the dims."""
+MAX_SENDS = 2 * 16
+"""Sends kept in flight (a tensor is two: header and payload): past this, a send waits on the
+host for the oldest, which holds while the peer lags MIN_IN_FLIGHT tensors or fewer."""
 GROUP_TIMEOUT = datetime.timedelta(days=365)
 """The gloo group's own timeout: receives wait on helper threads, the caller bounds its own wait."""
 
@@ -99,7 +105,8 @@ class TorchDistTransport:
         self.waiter = ThreadPoolExecutor(3, thread_name_prefix="torch-dist-recv")
         """Waits on posted receives, one thread per tag: the caller waits on the future with its
         timeout, since a gloo wait that times out closes the pair for good."""
-        self.sends: list[tuple[Any, torch.Tensor]] = []
+        self.sends: deque[tuple[Any, torch.Tensor]] = deque()
+        """Sends in flight, with their tensors (the backend reads them until done)."""
         self.header: list[int] | None = None
         """A tensor's header received, its payload not yet (a receive timed out between them)."""
         self.closed = False
@@ -119,22 +126,32 @@ class TorchDistTransport:
         data_group = None
         if device.type != "cpu" and ctx.dist_backend != "gloo":
             data_group = device_group(ctx.dist_backend, dist.PrefixStore("data", store), me, timeout)
-            probe = torch.ones(1, device=device)  # forms the device communicator now, not on the first step
-            data_group.allreduce([probe]).wait()
+            probe = torch.ones(1, device=device)  # forms the p2p communicator now: later sends never wait for it
+            for sender in (0, 1):
+                (data_group.send if me == sender else data_group.recv)([probe], 1 - me, 0).wait()
         return cls(group, 1 - me, ctx.max_rows, ctx.max_k, device, data_group, ctx.address, store)
 
     def _send(self, tensor: torch.Tensor, tag: int, group: Any = None) -> None:
         if self.closed:
             raise ConnectionError("torch_dist transport is closed")
-        self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
-        self.sends.append(((group or self.group).send([tensor], self.peer, tag), tensor))
+        try:
+            self.sends.append(((group or self.group).send([tensor], self.peer, tag), tensor))
+            while self.sends and self.sends[0][0].is_completed():
+                self.sends.popleft()
+            while len(self.sends) > MAX_SENDS:  # gloo reports a send done only once waited on
+                self.sends.popleft()[0].wait()
+        except RuntimeError as e:  # the pair is closed: the peer is gone
+            raise ConnectionError(f"torch_dist peer at {self.address}: {e}") from e
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, tag: int, timeout_s: float | None) -> torch.Tensor:
         if self.closed:
             raise ConnectionError("torch_dist transport is closed")
         if tag not in self.posted:
             buf = torch.empty(shape, dtype=dtype)
-            work = self.group.recv([buf], self.peer, tag)
+            try:
+                work = self.group.recv([buf], self.peer, tag)
+            except RuntimeError as e:  # the pair is already closed: the peer is gone
+                raise ConnectionError(f"torch_dist peer at {self.address}: {e}") from e
             self.posted[tag] = (self.waiter.submit(work.wait), buf)
         done, buf = self.posted[tag]
         try:

@@ -20,7 +20,6 @@ import zmq
 from speckernel.transport import (
     MAX_FRAME_BYTES,
     HostTensor,
-    StepMismatchError,
     TokenFrame,
     TransportCapabilities,
     TransportContext,
@@ -84,24 +83,13 @@ class ZmqTransport:
         return self._recv(TokenFrame, timeout_s)  # type: ignore[return-value]
 
     def send_tensor(self, step_id: int, tensor: torch.Tensor) -> None:
-        import torch  # a frame-only end (the engine core's) never loads torch through here
-
-        host = tensor.detach().to("cpu", copy=True).contiguous()  # zmq sends later: the caller's stays its own
-        data = host.reshape(-1).view(torch.uint8).numpy()
-        self._send(HostTensor(step_id, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), data))
+        self._send(HostTensor.of(step_id, tensor))  # zmq sends later: the copy keeps the caller's its own
 
     def recv_tensor(self, step_id: int, shape: tuple[int, ...], dtype: torch.dtype,
                     timeout_s: float | None = None) -> torch.Tensor:
-        import torch  # a frame-only end (the engine core's) never loads torch through here
-
         msg = self._recv(HostTensor, timeout_s)
         assert isinstance(msg, HostTensor)
-        want = str(dtype).removeprefix("torch.")
-        if msg.step_id != step_id or tuple(msg.shape) != tuple(shape) or msg.dtype != want:
-            raise StepMismatchError(f"zmq {self.address}: expected step {step_id} {tuple(shape)} {want}, "
-                                    f"got step {msg.step_id} {tuple(msg.shape)} {msg.dtype}")
-        flat = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8)  # a writable copy of the frame
-        return flat.view(dtype).reshape(shape).to(self.device, non_blocking=True)
+        return msg.tensor(step_id, shape, dtype, self.device, f"zmq {self.address}")
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -3,6 +3,7 @@ the one way the engine builds it: `registry.load("transport", name).open(ctx)`."
 
 from __future__ import annotations
 
+import datetime
 import queue
 import socket
 import threading
@@ -12,6 +13,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import torch.distributed as dist
 
 from speckernel import registry
 from speckernel.testing import check_transport, sample_frame
@@ -59,10 +61,13 @@ def open_both(name: str, rx_ctx: TransportContext, tx_ctx: TransportContext) -> 
     return ends["tx"], ends["rx"]
 
 
-def pair_of(name: str, address: Callable[[], str]) -> Callable[[int, int], Pair]:
+def pair_of(name: str, address: Callable[[], str], bind_first: bool = False) -> Callable[[int, int], Pair]:
+    """`bind_first`: the binding end's open returns before its peer comes and names the port it
+    took (a socket's listener); else both ends open at once."""
+
     def make_pair(max_rows: int, max_k: int) -> Pair:
         where = address()
-        if name == "zmq":  # zmq binds a port of its choosing and says which
+        if bind_first:
             rx = registry.load("transport", name).open(context(max_rows, max_k, where, True))
             tx = registry.load("transport", name).open(context(max_rows, max_k, rx.address, False))
         else:
@@ -75,13 +80,46 @@ def pair_of(name: str, address: Callable[[], str]) -> Callable[[int, int], Pair]
 ADDRESSES: dict[str, Callable[[], str]] = {
     "inproc": lambda: f"inproc://{uuid.uuid4().hex}",
     "zmq": lambda: "tcp://127.0.0.1:*",
+    "cuda_ipc": lambda: "tcp://127.0.0.1:*",
     "torch_dist": lambda: f"tcp://127.0.0.1:{free_port()}",
 }
 
 
 @pytest.mark.parametrize("name", sorted(ADDRESSES))
 def test_transport_conformance(name: str) -> None:
-    check_transport(pair_of(name, ADDRESSES[name]))
+    check_transport(pair_of(name, ADDRESSES[name], bind_first=name in ("zmq", "cuda_ipc")))
+
+
+def gloo_pair_groups(address: str) -> list[Any]:
+    """Two ends' (metadata, data) gloo groups of one link, formed in threads of this process."""
+    host, port = address.removeprefix("tcp://").split(":")
+    store = dist.TCPStore(host, int(port), 2, True, wait_for_workers=False)
+    groups: list[Any] = [None, None]
+
+    def join(rank: int) -> None:
+        s = store if rank == 0 else dist.TCPStore(host, int(port), 2, False)
+        groups[rank] = tuple(dist.ProcessGroupGloo(dist.PrefixStore(name, s), rank, 2, datetime.timedelta(seconds=20))
+                             for name in ("meta", "data"))
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [*groups, store]
+
+
+def test_torch_dist_with_a_device_group_of_its_own() -> None:
+    """The device path's logic (headers on the metadata group, payloads on a group of their own,
+    as nccl carries them) on the CPU, with a second gloo group standing in for nccl."""
+
+    def make_pair(max_rows: int, max_k: int) -> Pair:
+        (meta0, data0), (meta1, data1), store = gloo_pair_groups(f"tcp://127.0.0.1:{free_port()}")
+        rx = TorchDistTransport(meta0, 1, max_rows, max_k, data_group=data0, store=store)
+        tx = TorchDistTransport(meta1, 0, max_rows, max_k, data_group=data1, store=store)
+        return tx, rx, tx.close
+
+    check_transport(make_pair)
 
 
 def test_the_context_is_all_a_transport_is_built_from() -> None:
