@@ -55,6 +55,8 @@ class StageReport(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds this stage spent running steps (the rest of its time it waited: the bubbles)."""
     beat: bool = False
     """A liveness beat (every BEAT_S from a thread of its own), not an answer to a command."""
+    num_sync_checked: int = 0
+    """Decode steps this stage ran under the device's sync check (`stage_process.SYNC_DEBUG_ENV`)."""
 
 
 BEAT_S = 0.5

@@ -12,6 +12,7 @@ host for the device. It exits on Stop, and by itself when the process that start
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import os
@@ -19,7 +20,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -44,6 +45,10 @@ from .stage_group import StageGroup, plan_group
 from .stage_links import RENDEZVOUS_TIMEOUT_S, open_link, open_stage_links
 from .stage_messages import BEAT_S, Digest, StageBootstrap, StageCommand, StageReport, Stop
 
+SYNC_DEBUG_ENV = "SPECKERNEL_STAGE_SYNC_DEBUG"
+"""Set to 1 in the engine core's environment (the stages inherit it): every decode step of every
+stage runs under `torch.cuda.set_sync_debug_mode("error")`, so one that waits on the device fails
+its stage (the GPU tests run PP=2 so)."""
 CORE_SEND_TIMEOUT_S = 30.0
 """How long the last stage's send of a token frame may wait for the engine core to take one."""
 
@@ -97,8 +102,11 @@ class Stage:
 
     def __init__(self, boot: StageBootstrap, rank: int, world: int, platform: Platform, links: StageLinks,
                  publish: Callable[[TokenFrame], None] | None = None,
-                 on_error: Callable[[BaseException], None] = lambda e: os._exit(1)) -> None:
+                 on_error: Callable[[BaseException], None] = lambda e: os._exit(1), sync_debug: bool = False) -> None:
         self.boot, self.rank, self.world = boot, rank, world
+        self.sync_debug = sync_debug
+        """Decode steps run under the device's sync check (`SYNC_DEBUG_ENV`)."""
+        self.num_sync_checked = 0
         config = boot.config
         self.device = platform.device
         dtype = parse_dtype(config.dtype) if config.dtype else platform.default_dtype()
@@ -144,11 +152,28 @@ class Stage:
         try:
             meta_digest(self.digest, frame_meta(frame, self.max_rows, self.k))
             self.num_steps += 1
-            pending = self.runner.launch(frame)
+            with self._no_sync(frame):
+                pending = self.runner.launch(frame)
             if self.publisher is not None:
                 self.publisher.put(frame, pending)
         finally:
             self.busy_s += time.perf_counter() - started
+
+    @contextlib.contextmanager
+    def _no_sync(self, frame: StepFrame) -> Iterator[None]:
+        """With `sync_debug`, a decode or verification step that synchronises the device with the
+        host raises (`torch.cuda.set_sync_debug_mode("error")`) and so ends the stage."""
+        decode = bool(frame.rows) and all(r.sampling is not None and r.num_tokens == 1 + r.num_drafts
+                                          for r in frame.rows)
+        if not (self.sync_debug and decode and self.device.type == "cuda"):
+            yield
+            return
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        self.num_sync_checked += 1
 
     def close(self) -> None:
         """Publishes what is launched (token windows still owed to the first stage are dropped:
@@ -158,7 +183,7 @@ class Stage:
 
     def report(self, ready: bool = False) -> StageReport:
         return StageReport(rank=self.rank, ready=ready, num_steps=self.num_steps, meta_digest=self.digest.hexdigest(),
-                           busy_s=self.busy_s)
+                           busy_s=self.busy_s, num_sync_checked=self.num_sync_checked)
 
 
 def _beat(ctx: zmq.Context[Any], address: str, rank: int) -> None:
@@ -202,8 +227,10 @@ def open_links(boot: StageBootstrap, platform: Platform, plan: StageGroup, rank:
     ends = open_stage_links(boot.transport, store, base, config.pipeline_host)
     to_core = None
     if rank == world - 1:
+        # Token frames only, to a host-side end: no device backend to form with the engine core.
         to_core = open_link(boot.transport, msgspec.structs.replace(
-            base, peer=-1, address=boot.results, bind=False, timeout_s=CORE_SEND_TIMEOUT_S))
+            base, peer=-1, device="cpu", dist_backend="gloo", address=boot.results, bind=False,
+            timeout_s=CORE_SEND_TIMEOUT_S))
     return store, ends, to_core
 
 
@@ -238,7 +265,7 @@ def main() -> None:
         links = StageLinks(prev=ends.get(rank - 1), next=ends.get(rank + 1),
                            tokens=ends.get(world - 1 if rank == 0 else 0) if rank in (0, world - 1) else None)
         stage = Stage(boot, rank, world, platform, links, publish=to_core.send_frame if to_core else None,
-                      on_error=failed)
+                      on_error=failed, sync_debug=os.environ.get(SYNC_DEBUG_ENV) == "1")
     except Exception as e:
         reports.send(msgspec.msgpack.encode(StageReport(rank=rank, error=f"{type(e).__name__}: {e}")))
         raise

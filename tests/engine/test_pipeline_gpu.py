@@ -4,9 +4,9 @@
   run the same kernels on the same shapes, and the residual stream crosses the stage boundary as
   the whole model carries it.
 - Steady-state decode steps of every stage launch without a host synchronisation
-  (`torch.cuda.set_sync_debug_mode("error")`): both stages of PP=2 run in this process, on one
-  GPU, joined by in-process device links, and the last stage's token frames leave from its
-  publisher thread.
+  (`torch.cuda.set_sync_debug_mode("error")`): both stages of PP=2 in this process, on one GPU,
+  joined by in-process device links, the last stage's token frames leaving from its publisher
+  thread; and real stage processes on the platform's transport, with the check on in each.
 
 Run on a GPU host: `pytest tests/engine/test_pipeline_gpu.py -n 0`."""
 
@@ -25,7 +25,7 @@ from speckernel import registry
 from speckernel.config import EngineConfig
 from speckernel.engine.core import EngineCore
 from speckernel.engine.stage_messages import StageBootstrap
-from speckernel.engine.stage_process import Stage
+from speckernel.engine.stage_process import SYNC_DEBUG_ENV, Stage
 from speckernel.kernel.token_frames import result_from_frame
 from speckernel.runner.stage_runner import StageLinks
 from speckernel.sampling_params import SamplingParams
@@ -56,6 +56,25 @@ def test_batch_invariant_bf16_pp2_equals_pp1(model_path: Path, tokenizer: Any, s
         finally:
             core.close()
     assert outputs[1] == outputs[0]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_pp2_stage_processes_on_the_platforms_transport_never_sync_a_decode_step(
+        model_path: Path, tokenizer: Any, spec: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real stage processes sharing the GPU, linked by the platform's preferred transport
+    (cuda_ipc): every decode step of both stages runs under the sync check, and a step that
+    synchronised would have failed its stage and so the run."""
+    monkeypatch.setenv(SYNC_DEBUG_ENV, "1")
+    ids = [tokenizer.encode(p) for p in PROMPTS[:8]]
+    core = EngineCore(gpu_config(2, **spec))
+    try:
+        assert core.runner.transport == registry.pick_platform("cuda").capabilities.preferred_transports[0]
+        outputs = run_loop(core, ids, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+        reports, _ = core.runner.digests()
+    finally:
+        core.close()
+    assert all(len(out) == 48 for out in outputs)
+    assert [r.num_sync_checked > 20 for r in reports] == [True, True], reports
 
 
 class LocalLink:
