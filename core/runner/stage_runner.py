@@ -12,7 +12,10 @@ A step's two edges sit outside its captured graph, in stream order around the re
 - out: the graph leaves its stream in a persistent buffer (`stream_out`), sent on with
   `send_tensor` right after the replay.
 On the fused path the stream travels as its two parts (h, residual), so a split model rounds
-exactly as the whole one does. The captured layers a speculator reads travel with it.
+exactly as the whole one does; elsewhere residual is zero. The path follows the step's padded
+token count, the same on every stage while they replay the same graph shapes; where they do not
+(one stage's capture failed), a receiver on the other path still reads the stream h + residual.
+The captured layers a speculator reads travel with it.
 
 The last stage sends the first, device to device, what the step wrote into its token buffer (a
 window of each sampling row from its output position: confirmed tokens, then the drafts behind
@@ -133,9 +136,13 @@ class StageRunner(ModelRunner):
         if self.stream_in is None:
             x = self.model.embed(self.input_ids(meta))
         else:
+            # The stream is h + residual as sent (residual zero where the sender's path carries
+            # none): split it goes on as it came; a path that carries one tensor adds the two.
             x = self.stream_in[0, :tokens]
             if self.model.splits_residual(x):
                 residual = self.stream_in[1, :tokens]
+            else:
+                x = x + self.stream_in[1, :tokens]
             captured = {layer: self.stream_in[2 + j, :tokens] for j, layer in enumerate(self.before)}
         h, residual, mine = self.model.forward_layers(x, self.kv_cache, meta, self.stage.start, self.hidden_layers,
                                                       residual)
@@ -145,6 +152,8 @@ class StageRunner(ModelRunner):
         self.stream_out[0, :tokens].copy_(h)
         if residual is not None:
             self.stream_out[1, :tokens].copy_(residual)
+        else:
+            self.stream_out[1, :tokens].zero_()
         for j, layer in enumerate(self.after):
             self.stream_out[2 + j, :tokens].copy_(captured[layer])
         return h, captured
