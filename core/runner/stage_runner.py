@@ -255,9 +255,3 @@ class StageRunner(ModelRunner):
             rows, _ = self.unapplied.pop(step_id)
             got = self.links.tokens.recv_tensor(step_id, (rows, TOKEN_COLUMNS + len(self.window)), torch.int64)
             self.pool.write(got[:, 0], got[:, 1], got[:, TOKEN_COLUMNS:])
-
-    def flush(self) -> None:
-        """The token windows still owed to this stage, taken before it stops, so the last stage's
-        sends all complete."""
-        if self.stage.first and not self.stage.last and self.unapplied:
-            self._take_tokens(StepFrame(max(self.unapplied) + self.stage.count, []))
