@@ -187,20 +187,28 @@ class EngineCore:
                                                for b, c in governor.step_costs.items()})
         return governor
 
+    def _prompt_graphs(self) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token buckets of the captured one-prompt graphs and (rows, tokens) of the several-prompt
+        ones: the runner's own, or those every pipeline stage captured."""
+        if isinstance(self.runner, Pipeline):
+            return self.runner.prompt_graphs
+        graphs = self.runner.graphs
+        return ([], []) if graphs is None else (graphs.prefill, graphs.prompt_batches)
+
     def _prompt_tokens_apart(self) -> int:
         """The largest captured prompt graph's tokens, where prompts run apart (0: they share
         steps with decode rows, as they must where no graph serves them anyway)."""
-        graphs = self.runner.graphs
-        if not self.config.prompts_apart or graphs is None or not graphs.prefill:
+        prefill, _ = self._prompt_graphs()
+        if not self.config.prompts_apart or not prefill:
             return 0
-        return max(graphs.prefill)
+        return max(prefill)
 
     def _prompt_batch(self) -> tuple[int, int]:
         """(rows, tokens) of the largest several-prompt graph, where prompts run apart ((1, 0): none)."""
-        graphs = self.runner.graphs
-        if not self._prompt_tokens_apart() or graphs is None or not graphs.prompt_batches:
+        _, batches = self._prompt_graphs()
+        if not self._prompt_tokens_apart() or not batches:
             return (1, 0)
-        return max(r for r, _ in graphs.prompt_batches), max(t for _, t in graphs.prompt_batches)
+        return max(r for r, _ in batches), max(t for _, t in batches)
 
     def close(self) -> None:
         """Stops what the core started (the pipeline's stage processes)."""

@@ -57,6 +57,10 @@ class StageReport(msgspec.Struct, frozen=True, kw_only=True):
     """A liveness beat (every BEAT_S from a thread of its own), not an answer to a command."""
     num_sync_checked: int = 0
     """Decode steps this stage ran under the device's sync check (`stage_process.SYNC_DEBUG_ENV`)."""
+    prefill_tokens: list[int] = msgspec.field(default_factory=list)
+    """Ready: token buckets of the one-prompt step graphs this stage captured."""
+    prompt_batches: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    """Ready: (rows, tokens) of the several-prompt step graphs this stage captured."""
 
 
 BEAT_S = 0.5

@@ -182,8 +182,11 @@ class Stage:
             self.publisher.close()
 
     def report(self, ready: bool = False) -> StageReport:
+        graphs = self.runner.graphs if ready else None
         return StageReport(rank=self.rank, ready=ready, num_steps=self.num_steps, meta_digest=self.digest.hexdigest(),
-                           busy_s=self.busy_s, num_sync_checked=self.num_sync_checked)
+                           busy_s=self.busy_s, num_sync_checked=self.num_sync_checked,
+                           prefill_tokens=list(graphs.prefill) if graphs is not None else [],
+                           prompt_batches=list(graphs.prompt_batches) if graphs is not None else [])
 
 
 def _beat(ctx: zmq.Context[Any], address: str, rank: int) -> None:

@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
@@ -52,6 +52,15 @@ class PendingFrame:
 
     def result(self) -> StepResult:
         return self.collect()
+
+
+def _open_into(future: Future[Any], name: str, ctx: TransportContext) -> None:
+    """Opens a link on a daemon thread (an open that waits for a peer that never comes must not
+    hold the process at exit)."""
+    try:
+        future.set_result(open_link(name, ctx))
+    except BaseException as e:
+        future.set_exception(e)
 
 
 def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -94,9 +103,9 @@ class Pipeline:
         results = TransportContext(rank=-1, peer=n - 1, world=n, max_rows=config.max_num_seqs, max_k=k,
                                    address=f"tcp://{host}:{free_port(host)}", bind=True, max_frame_bytes=limit,
                                    timeout_s=config.startup_timeout_s)
-        opener = ThreadPoolExecutor(1, thread_name_prefix="speckernel-link")
-        opening = opener.submit(open_link, self.transport, results)
-        opener.shutdown(wait=False)
+        opening: Future[Any] = Future()
+        threading.Thread(target=_open_into, args=(opening, self.transport, results), daemon=True,
+                         name="speckernel-link").start()
         boot = StageBootstrap(
             config=config, num_blocks=kv.num_blocks, max_model_len=kv.max_model_len,
             lookahead_slots=kv.lookahead_slots, draft_kv_bytes=kv.draft_kv_bytes,
@@ -132,10 +141,18 @@ class Pipeline:
         self.results: Any = None
         try:
             ready = self._reports(n, config.startup_timeout_s)
-            self.results = opening.result(config.startup_timeout_s)
+            try:
+                self.results = opening.result(config.startup_timeout_s)
+            except TimeoutError:
+                raise EngineDeadError(f"the last pipeline stage's {self.transport} link to the engine core did "
+                                      f"not open within {config.startup_timeout_s} s") from None
         except BaseException:
             self.close()
             raise
+        self.prompt_graphs: tuple[list[int], list[tuple[int, int]]] = (
+            sorted(set.intersection(*(set(r.prefill_tokens) for r in ready))),
+            sorted(set.intersection(*(set(r.prompt_batches) for r in ready))))
+        """The prompt step graphs every stage captured: the engine core runs prompts apart on them."""
         self.last_beat = [time.monotonic()] * n
         self.log.info("pipeline_ready", stages=n, pids=[p.pid for p in self.procs],
                       steps=[r.num_steps for r in ready])

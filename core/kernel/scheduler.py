@@ -111,12 +111,13 @@ class Scheduler:
 
     def _prompt_rows(self, several: bool) -> list[ScheduledRow]:
         """One request's next prompt chunk: the first running request still in its prompt (its
-        frame in flight applied), else the first waiting one that gets a slot and blocks. While
+        frame in flight applied, or an intermediate chunk behind it under pipeline stages), else
+        the first waiting one that gets a slot and blocks. While
         several prompts wait (several) and several-prompt steps exist, as many chunks as one holds."""
         budget = min(self.max_num_batched_tokens, self.prompt_tokens_apart)
         if several and self.prompt_batch[0] > 1 and (rows := self._several_prompts(budget)):
             return rows
-        req = next((r for r in self.running if self.in_prompt(r) and not r.in_flight), None)
+        req = next((r for r in self.running if self.in_prompt(r) and self._chunk_ready(r, budget)), None)
         if req is None:
             return self._admit(budget, max_rows=1)
         n_known, _, _ = self._plan(req, budget)
@@ -129,7 +130,7 @@ class Scheduler:
         prompt whose blocks are not free waits for a step of its own."""
         max_rows, budget = self.prompt_batch[0], min(self.max_num_batched_tokens, self.prompt_batch[1])
         rows: list[ScheduledRow] = []
-        for req in [r for r in self.running if self.in_prompt(r) and not r.in_flight]:
+        for req in [r for r in self.running if self.in_prompt(r) and self._chunk_ready(r, per_row)]:
             if len(rows) == max_rows or budget < 2:
                 return rows
             n_known, _, _ = self._plan(req, min(budget, per_row))
@@ -137,6 +138,11 @@ class Scheduler:
                 rows.append(self._row(req, n_known, [], 0))
                 budget -= n_known
         return rows + self._admit(budget, max_rows=max_rows - len(rows), per_row=per_row)
+
+    def _chunk_ready(self, req: Request, budget: int) -> bool:
+        """A prompt's next chunk may be scheduled: its frame in flight applied, or, with pipeline
+        stages, the chunk is an intermediate one, which pipelines behind it."""
+        return not req.in_flight or self.pipelines(req, budget)
 
     @staticmethod
     def in_prompt(req: Request) -> bool:

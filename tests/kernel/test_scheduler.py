@@ -137,6 +137,20 @@ def test_a_burst_of_prompts_shares_steps_of_several_prompts() -> None:
     assert kinds == "2DDD" + "33" + "D" * 4, kinds
 
 
+@pytest.mark.parametrize("batch", [(1, 0), (3, 16)], ids=["one-prompt", "several-prompts"])
+def test_prompts_apart_under_pipeline_stages_pipeline_their_intermediate_chunks(batch: tuple[int, int]) -> None:
+    """With pipeline stages, a long prompt's intermediate chunks are scheduled while the chunks
+    before them are in flight (they read no output of those frames); its final chunk, which
+    samples, waits for its predecessor."""
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64, prompt_tokens_apart=8,
+                      pipeline=True, async_scheduling=True, prompt_batch=batch)
+    sched.add(make(1, 30))
+    chunks = []
+    while (frame := sched.schedule()) is not None:
+        chunks.append([(r.num_tokens, r.sampling is not None) for r in frame.rows])
+    assert chunks == [[(8, False)], [(8, False)], [(8, False)]], "the final chunk waits; the others pipeline"
+
+
 def test_prompts_apart_preempt_rather_than_stall() -> None:
     """Two prompts in flight at once (the second starts while the first's chunk runs) that
     together outgrow the cache: the later one is preempted so the earlier goes on, as in mixed
