@@ -7,11 +7,12 @@ check takes a fresh pair, since a transport may be unusable after a timeout or a
 
 The checks: frames arrive in the order sent with their step identity (step id, keys,
 generations, slots) intact; rows of different widths keep their -1 padding; empty and
-zero-token placeholder rows stay typed as such; tensors (float32, bfloat16, int64 token ids)
-arrive in order and equal, interleaved with frames, even when the sender overwrites its own
-right after sending; a tensor received for another step raises StepMismatchError; a receive
-with nothing sent raises TimeoutError within its timeout (plus slack); after the peer dies, a
-receive raises (TimeoutError or ConnectionError) instead of hanging.
+zero-token placeholder rows stay typed as such; tensors (float32, bfloat16, int64 token ids),
+MIN_IN_FLIGHT of them sent before the first is received, arrive in order and equal, interleaved
+with frames, even when the sender overwrites its own right after sending; a tensor received for
+another step raises StepMismatchError; a receive with nothing sent raises TimeoutError within
+its timeout (plus slack); after the peer dies, a receive raises (TimeoutError or
+ConnectionError) instead of hanging.
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .transport import EMPTY, FAILED, PLACEHOLDER, SAMPLED, StepMismatchError, TokenFrame, Transport
+from .transport import (
+    EMPTY,
+    FAILED,
+    MIN_IN_FLIGHT,
+    PLACEHOLDER,
+    SAMPLED,
+    StepMismatchError,
+    TokenFrame,
+    Transport,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -106,13 +116,14 @@ def check_tensors(make_pair: MakePair, max_rows: int = 2, max_k: int = 1) -> Non
     """Tensors arrive in order, equal, of their dtype, interleaved with frames; the sender
     overwrites its own right after each send (the transport read it in stream order)."""
     tx, rx, _ = make_pair(max_rows, max_k)
+    steps = MIN_IN_FLIGHT // len(_tensors(0))  # as many in flight as a sender may send without waiting
     try:
-        for step in range(3):
+        for step in range(steps):
             for tensor in _tensors(step):
                 tx.send_tensor(step, tensor)
                 tensor.zero_()
             tx.send_frame(sample_frame(step, max_rows, max_k))
-        for step in range(3):
+        for step in range(steps):
             _same(rx.recv_frame(timeout_s=10.0), sample_frame(step, max_rows, max_k))
             for want in _tensors(step):
                 got = rx.recv_tensor(step, tuple(want.shape), want.dtype, timeout_s=10.0)

@@ -26,7 +26,6 @@ another GPU than the sender's reads the slot over peer access.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from multiprocessing import resource_tracker, shared_memory
@@ -65,11 +64,13 @@ class CudaMemory(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
 
 class HostMemory(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """A slot's shared host buffer, by name."""
+    """A slot's shared host buffer, by name. The receiver unlinks the name once it has mapped
+    it (the sender, if nobody did by its close), so a process that dies leaves nothing in
+    /dev/shm; the resource tracker is kept out of it, since ends of one link may or may not share
+    one tracker."""
 
     name: str
     size: int
-    owner_pid: int
 
 
 class Filled(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -255,6 +256,7 @@ class CudaIpcTransport:
             slot.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
         else:
             slot.shm = shared_memory.SharedMemory(create=True, size=size)
+            resource_tracker.unregister(slot.shm._name, "shared_memory")  # type: ignore[attr-defined]  # see _map
             self.owned.append(slot.shm)
             slot.buffer = torch.frombuffer(slot.shm.buf, dtype=torch.uint8, count=size)
         slot.announced = False
@@ -262,7 +264,7 @@ class CudaIpcTransport:
     def _memory(self, slot: Slot) -> CudaMemory | HostMemory:
         assert slot.buffer is not None
         if slot.shm is not None:
-            return HostMemory(slot.shm.name, slot.buffer.numel(), os.getpid())
+            return HostMemory(slot.shm.name, slot.buffer.numel())
         share = slot.buffer.untyped_storage()._share_cuda_()
         return CudaMemory(*share)
 
@@ -302,9 +304,8 @@ class CudaIpcTransport:
             self.retired.append(mirror.buffer)
         if isinstance(memory, HostMemory):
             mirror.shm = shared_memory.SharedMemory(name=memory.name)
+            mirror.shm.unlink()  # both ends map it now: the name goes, so no end's death leaves it behind
             self.mapped.append(mirror.shm)
-            if memory.owner_pid != os.getpid():  # the owner unlinks it; this process only maps it
-                resource_tracker.unregister(mirror.shm._name, "shared_memory")  # type: ignore[attr-defined]
             mirror.buffer = torch.frombuffer(mirror.shm.buf, dtype=torch.uint8, count=memory.size)
         else:
             torch.cuda.init()
@@ -368,7 +369,11 @@ class CudaIpcTransport:
             shm.close()
         for shm in self.owned:
             shm.close()
-            shm.unlink()
+            resource_tracker.register(shm._name, "shared_memory")  # type: ignore[attr-defined]  # unlink unregisters
+            try:
+                shm.unlink()
+            except FileNotFoundError:  # the peer mapped it and unlinked the name
+                resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
 
 
 def _now_ms() -> int:

@@ -41,40 +41,21 @@ def test_third_party_transport_is_discovered_and_conforms(example_site: Path) ->
     assert proc.returncode == 0 and "conforms" in proc.stdout, proc.stderr[-3000:]
 
 
-def engine_has_pipeline_transport() -> bool:
-    from speckernel.config import EngineConfig
-
-    return "pipeline_transport" in EngineConfig.__struct_fields__
+GENERATE = ["generate", "--raw", "--prompt", "The three primary colors are", "--temperature", "0", "--json",
+            "--platform", "cpu", "--dtype", "float32", "--max-tokens", "6"]
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not engine_has_pipeline_transport(), reason="the engine does not select pipeline transports yet")
 def test_third_party_transport_carries_a_pipeline(example_site: Path, tmp_path: Path) -> None:
-    """PP=2 on the CPU in float32, every link opened through the example's entry point, gives
-    the single stage's tokens."""
-    code = """
-import json
-from speckernel.config import EngineConfig
-from speckernel.engine.core import EngineCore
-from speckernel.sampling_params import SamplingParams
-from tests.engine.pipeline_util import run_loop
-
-prompts = [[1, 415, 2936, 9060, 285, 1167], [1, 22557, 28725, 910, 460]]
-params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-got = {}
-for pp, transport in ((1, None), (2, "tcp_pipe")):
-    core = EngineCore(EngineConfig(platform="cpu", dtype="float32", max_model_len=128, max_num_seqs=4,
-                                   max_num_batched_tokens=16, pipeline_parallel_size=pp, pipeline_transport=transport))
-    try:
-        got[pp] = run_loop(core, prompts, params)
-    finally:
-        core.close()
-print(json.dumps({"pp1": got[1], "pp2": got[2]}))
-"""
+    """`--pipeline-transport tcp_pipe`: PP=2 on the CPU in float32, its stages linked through the
+    example's entry point (the trace file shows their ends), gives the single stage's tokens."""
     trace = tmp_path / "opened"
-    proc = run_with(example_site, code, TCP_PIPE_TRACE=str(trace))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["pp2"] == out["pp1"] and all(len(o) == 4 for o in out["pp1"])
+    runs = {}
+    for pp, extra in ((1, []), (2, ["--pipeline-parallel-size", "2", "--pipeline-transport", "tcp_pipe"])):
+        proc = run_with(example_site, f"from speckernel.tools.cli import main; main({[*GENERATE, *extra]!r})",
+                        TCP_PIPE_TRACE=str(trace))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[pp] = json.loads(proc.stdout)["token_ids"]
+    assert runs[2] == runs[1] and len(runs[1]) == 6
     ends = {tuple(map(int, line.split()[:2])) for line in trace.read_text().splitlines()}
     assert {(0, 1), (1, 0)} <= ends, f"the stages did not link through the example transport: {ends}"
