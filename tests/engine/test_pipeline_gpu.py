@@ -12,7 +12,6 @@ Run on a GPU host: `pytest tests/engine/test_pipeline_gpu.py -n 0`."""
 
 from __future__ import annotations
 
-import queue
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -24,15 +23,11 @@ import torch
 from speckernel import registry
 from speckernel.config import EngineConfig
 from speckernel.engine.core import EngineCore
-from speckernel.engine.stage_messages import StageBootstrap
-from speckernel.engine.stage_process import SYNC_DEBUG_ENV, Stage
-from speckernel.kernel.token_frames import result_from_frame
-from speckernel.runner.stage_runner import StageLinks
+from speckernel.engine.stage_process import SYNC_DEBUG_ENV
 from speckernel.sampling_params import SamplingParams
-from speckernel.transport import TokenFrame
 from speckernel.wire.messages import AddRequest
 from tests.conftest import PROMPTS
-from tests.engine.pipeline_util import run_loop
+from tests.engine.pipeline_util import LocalPipeline, run_loop
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -93,60 +88,6 @@ def test_pp2_stage_processes_on_the_platforms_transport_never_sync_a_decode_step
     assert [r.num_sync_checked > 5 for r in reports] == [True, True], reports
 
 
-class LocalLink:
-    """A device edge between two stages of this process: same stream, so a tensor sent is ready
-    for whatever the receiver issues after it."""
-
-    def __init__(self) -> None:
-        self.sent: dict[int, deque[torch.Tensor]] = {}
-
-    def send_tensor(self, step_id: int, tensor: torch.Tensor) -> None:
-        self.sent.setdefault(step_id, deque()).append(tensor)
-
-    def recv_tensor(self, step_id: int, shape: tuple[int, ...], dtype: torch.dtype,
-                    timeout_s: float | None = None) -> torch.Tensor:
-        got = self.sent[step_id].popleft()
-        if not self.sent[step_id]:
-            del self.sent[step_id]
-        assert tuple(got.shape) == shape and got.dtype == dtype, (step_id, got.shape, shape)
-        return got
-
-
-class LocalPipeline:
-    """Both stages of PP=2 in this process: `launch` runs a frame on each, in order, and its
-    result is the token frame the last stage's publisher sent."""
-
-    def __init__(self, core: EngineCore, config: EngineConfig) -> None:
-        kv = core.kv
-        k = config.num_speculative_tokens if config.speculator else 0
-        boot = StageBootstrap(config=config, num_blocks=kv.num_blocks, max_model_len=kv.max_model_len,
-                              lookahead_slots=kv.lookahead_slots, draft_kv_bytes=kv.draft_kv_bytes, commands=[],
-                              results="", reports="", transport="", k=k, blocks_per_request=kv.blocks_per_request(k))
-        platform = registry.pick_platform("cuda")
-        hidden, tokens = LocalLink(), LocalLink()
-        self.published: queue.Queue[TokenFrame] = queue.Queue()
-        self.errors: list[BaseException] = []
-        self.stages = [
-            Stage(boot, 0, 2, platform, StageLinks(next=hidden, tokens=tokens)),
-            Stage(boot, 1, 2, platform, StageLinks(prev=hidden, tokens=tokens), publish=self.published.put,
-                  on_error=self.errors.append),
-        ]
-
-    def launch(self, frame: Any) -> None:
-        for stage in self.stages:
-            stage.run_step(frame)
-
-    def result(self, frame: Any) -> Any:
-        try:
-            return result_from_frame(frame, self.published.get(timeout=60))
-        except queue.Empty:
-            raise AssertionError(f"no token frame for step {frame.step_id}: {self.errors}") from None
-
-    def close(self) -> None:
-        for stage in self.stages:
-            stage.close()
-
-
 @pytest.mark.parametrize("spec", SPECS)
 def test_pp2_decode_steps_of_every_stage_launch_without_host_sync(model_path: Path, tokenizer: Any,
                                                                   spec: dict[str, Any]) -> None:
@@ -155,7 +96,7 @@ def test_pp2_decode_steps_of_every_stage_launch_without_host_sync(model_path: Pa
     the single-stage engine's."""
     single = gpu_config(1, dtype="float32", in_process=True, **spec)
     core = EngineCore(single)
-    pipeline = LocalPipeline(core, msgspec.structs.replace(single, pipeline_parallel_size=2))
+    pipeline = LocalPipeline(core, msgspec.structs.replace(single, pipeline_parallel_size=2), "cuda")
     scheduler = core.scheduler
     scheduler.pipeline = True  # as the engine core schedules for stages: nothing runs ahead of its frame
     if scheduler.spec is not None:
