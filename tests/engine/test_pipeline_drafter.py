@@ -29,9 +29,10 @@ VICTIM = 0
 """The prompt whose request is aborted mid-generation, with a frame in flight."""
 
 
-def config(pp: int) -> EngineConfig:
-    return EngineConfig(platform="cpu", max_num_seqs=8, max_num_batched_tokens=16, pipeline_parallel_size=pp,
-                        speculator="mtp", num_speculative_tokens=3, **TIGHT)
+def config(pp: int, **kw: Any) -> EngineConfig:
+    return EngineConfig(**({"platform": "cpu", "max_num_seqs": 8, "max_num_batched_tokens": 16,
+                            "pipeline_parallel_size": pp, "speculator": "mtp", "num_speculative_tokens": 3}
+                           | TIGHT | kw))
 
 
 def record_preemptions(core: EngineCore, keys: list[int]) -> set[int]:
@@ -52,15 +53,28 @@ def prompts(tokenizer) -> list[list[int]]:  # type: ignore[no-untyped-def]
     return [tokenizer.encode(p) for p in PROMPTS[:5]]
 
 
+class Single(NamedTuple):
+    outputs: list[list[int]]
+    """Single-stage, the KV cache as tight, nothing aborted."""
+    roomy: list[list[int]]
+    """Single-stage with KV for every request: nothing preempted."""
+    drafter_bytes: int
+    """What the single-stage engine's drafter holds (`held_bytes`)."""
+
+
 @pytest.fixture(scope="module")
-def pp1(prompts: list[list[int]]) -> tuple[list[list[int]], int]:
-    """The single-stage outputs, nothing aborted, and the bytes its drafter holds."""
-    core = EngineCore(config(1))
-    try:
-        outputs = run_loop(core, prompts, GREEDY)
-    finally:
-        core.close()
-    return outputs, held_bytes(core.speculator)
+def pp1(prompts: list[list[int]]) -> Single:
+    found: list[Any] = []
+    for kw in ({}, {"num_kv_blocks": None}):
+        core = EngineCore(config(1, **kw))
+        try:
+            found.append(run_loop(core, prompts, GREEDY))
+        finally:
+            core.close()
+        assert (core.stats()["num_preemptions"] > 0) == (not kw)
+        found += [] if kw else [held_bytes(core.speculator)]  # the drafter's draft KV grows with the cache
+    outputs, drafter_bytes, roomy = found
+    return Single(outputs, roomy, drafter_bytes)
 
 
 class Pp2(NamedTuple):
@@ -99,10 +113,10 @@ def pp2(prompts: list[list[int]]) -> Pp2:
     return Pp2(outputs, preempted - {VICTIM}, stats, *seen[0])
 
 
-def test_abort_with_a_speculator_keeps_serving_the_others(pp1: tuple[list[list[int]], int], pp2: Pp2) -> None:
+def test_abort_with_a_speculator_keeps_serving_the_others(pp1: Single, pp2: Pp2) -> None:
     """The victim, aborted with frames in flight, stops with a prefix of its single-stage tokens;
     every other request finishes with exactly the single-stage tokens and acceptance goes on."""
-    want, got = pp1[0], pp2.outputs
+    want, got = pp1.outputs, pp2.outputs
     assert 1 <= len(got[VICTIM]) < GREEDY.max_tokens
     assert pp2.stats["num_stale_rows"] > 0, "the victim's frame in flight was not discarded"
     assert got[VICTIM] == want[VICTIM][: len(got[VICTIM])]
@@ -114,19 +128,19 @@ def test_abort_with_a_speculator_keeps_serving_the_others(pp1: tuple[list[list[i
     assert not spec["speculator_off"]
 
 
-def test_preempted_request_with_a_speculator_matches_single_stage(pp1: tuple[list[list[int]], int], pp2: Pp2) -> None:
+def test_preempted_request_with_a_speculator_matches_single_stage(pp1: Single, pp2: Pp2) -> None:
     """Requests preempted (recomputed from their prompt and output) on the stages give the
-    single-stage tokens."""
+    single-stage tokens, which are those of a run that preempts nothing."""
     assert pp2.stats["num_preemptions"] > 0, "nothing was preempted: the test proves nothing"
     assert pp2.preempted, "only the aborted request was preempted: the test proves nothing"
     for i in sorted(pp2.preempted):
-        assert pp2.outputs[i] == pp1[0][i], f"prompt {i}"
+        assert pp2.outputs[i] == pp1.outputs[i] == pp1.roomy[i], f"prompt {i}"
 
 
-def test_only_the_last_stage_holds_the_drafter(pp1: tuple[list[list[int]], int], pp2: Pp2) -> None:
+def test_only_the_last_stage_holds_the_drafter(pp1: Single, pp2: Pp2) -> None:
     """Stages before the last build no speculator and hold no drafter tensor; the last holds
     exactly what a single-stage engine's drafter holds."""
-    reports, single = pp2.reports, pp1[1]
+    reports, single = pp2.reports, pp1.drafter_bytes
     assert [r.rank for r in reports] == [0, 1]
     assert single > 0
     assert [(r.speculator, r.drafter_bytes) for r in reports] == [("", 0), ("MtpSpeculator", single)]
