@@ -2,8 +2,7 @@
 scheduling), without a speculator and with mtp: greedy output constrained by a JSON schema, a
 regex and a choice under PP=2 equals PP=1's token for token (the grammar's bitmask rides in the
 frame to the last stage, which samples), and a prompt longer than the token budget keeps the
-pipeline full: its intermediate prefill chunks go in flight behind one another, while a chunk
-that samples waits for the frames before it.
+pipeline full: its intermediate prefill chunks go in flight behind one another.
 
 One PP=2 engine per speculator serves the module (one run, recorded by `runs`)."""
 
@@ -130,9 +129,9 @@ def test_structured_output_matches_single_stage(runs: Runs, tokenizer) -> None: 
 
 def test_intermediate_prefill_chunks_keep_the_pipeline_full(runs: Runs) -> None:
     """The long prompt's intermediate chunks (rows that sample nothing) go in flight while an
-    earlier chunk of the same request still is, and a row that samples never does."""
+    earlier chunk of the same request still is (`Scheduler.pipelines`): stages run frames in
+    order, so a chunk needs nothing of the frames before it but the KV they write first."""
     rows = runs.long_rows
     intermediate = [r for r in rows if not r.samples]
     assert len(intermediate) >= 3, rows
-    assert max(r.in_flight for r in intermediate) == 2, f"intermediate prefill chunks did not pipeline: {rows}"
-    assert all(r.in_flight == 1 for r in rows if r.samples), f"a row that samples ran ahead of its input: {rows}"
+    assert max(r.in_flight for r in intermediate) >= 2, f"intermediate prefill chunks did not pipeline: {rows}"
