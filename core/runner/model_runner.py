@@ -196,18 +196,28 @@ class ModelRunner:
         STEP.put(plan, Col.SHIFTED, [r.shifted for r in rows], slice(0, n))
         sampled = [i for i, r in enumerate(rows) if r.sampling is not None]
         STEP.put_sampling(plan, sampled, [s for r in rows if (s := r.sampling) is not None])
-        host_n = np.fromiter((len(r.token_ids) for r in rows), np.int64, n)
-        total = int(host_n.sum())
-        tail = np.empty(3 * total, np.int64)
-        tail[:total] = np.repeat(STEP.column(plan, Col.SLOT)[:n], host_n)
-        tail[total : 2 * total] = np.concatenate([np.arange(r.start_pos, r.start_pos + len(r.token_ids))
-                                                  for r in rows]) if total else tail[:0]
-        tail[2 * total :] = np.fromiter((t for r in rows for t in r.token_ids), np.int64, total)
+        tail = self._host_tokens(rows)
         chunks = [(r.start_pos, r.num_tokens, r.block_ids) for r in rows]
         if padded is None:
             return self.attention.prepare(chunks, row_extra=plan.ints, row_floats=plan.floats, tail=tail)
         return self.attention.prepare(chunks, num_tokens=padded.tokens, num_rows=padded.rows, row_extra=plan.ints,
                                       row_floats=plan.floats, tail=tail, max_query_len=padded.max_query_len)
+    @staticmethod
+    def _host_tokens(rows: list[ScheduledRow]) -> np.ndarray:
+        """[3 * N] slots, positions and ids of what the host writes into the token buffer: each
+        row's host tokens, and the drafts its grammar forced (after its placeholder inputs)."""
+        spans = [(r.slot, r.start_pos, r.token_ids) for r in rows]
+        spans += [(r.slot, r.start_pos + len(r.token_ids) + r.num_placeholder_inputs, r.draft_token_ids[: r.num_forced])
+                  for r in rows if r.num_forced]
+        lens = np.fromiter((len(ids) for _, _, ids in spans), np.int64, len(spans))
+        total = int(lens.sum())
+        tail = np.empty(3 * total, np.int64)
+        if total:
+            tail[:total] = np.repeat(np.fromiter((slot for slot, _, _ in spans), np.int64, len(spans)), lens)
+            tail[total : 2 * total] = np.concatenate([np.arange(start, start + len(ids)) for _, start, ids in spans])
+            tail[2 * total :] = np.fromiter((t for _, _, ids in spans for t in ids), np.int64, total)
+        return tail
+
     def token_bitmask(self, frame: StepFrame, width: int) -> torch.Tensor | None:
         """[R, width + 1, W] int32 on the device: the rows' grammar bitmasks, all ones where a
         row or position has none; None for a step without structured output."""
