@@ -23,9 +23,12 @@ import itertools
 from collections import deque
 from collections.abc import Callable
 
+import msgspec
+
 from ..sampling_params import RowSampling
 from .block_manager import BlockManager
 from .frame import ScheduledRow, StepFrame
+from .grammar import RequestGrammar, fill_masks
 from .request import Request, Status
 from .spec_policy import SpecPolicy
 
@@ -37,6 +40,8 @@ class Scheduler:
                  prompt_batch: tuple[int, int] = (1, 0), grammar_drafts: bool = True) -> None:
         self.blocks = block_manager
         self.grammar_drafts = grammar_drafts
+        self.masking: dict[int, tuple[RequestGrammar, list[int]]] = {}
+        """Structured-output rows of the step being scheduled: their drafts, for their masks."""
         """Structured output: what a grammar forces next is verified as drafts (`_forced`)."""
         self.pipeline = pipeline
         """Pipeline stages: several frames in flight whose output the first stage has not seen;
@@ -206,6 +211,7 @@ class Scheduler:
         return rows
 
     def _frame(self, rows: list[ScheduledRow]) -> StepFrame | None:
+        rows = self._with_masks(rows)
         if not rows:
             return None
         frame = StepFrame(
@@ -281,10 +287,10 @@ class Scheduler:
              placeholder_inputs: int = 0, shifted: bool = False, num_forced: int = 0) -> ScheduledRow:
         start = req.num_computed_tokens
         final = req.samples_after(n + placeholder_inputs)
-        bitmask = b""
         if req.grammar is not None and final:
             req.grammar.sync(req.output_token_ids)
-            valid, bitmask = req.grammar.plan(drafts)
+            valid = req.grammar.valid(drafts)
+            self.masking[req.key] = (req.grammar, valid)  # its masks come with the step's (`_frame`)
             refused = len(drafts) + slots - len(valid)  # device slots cannot be checked: none are verified
             self.num_invalid_drafts += refused
             req.refuse_drafts(refused)
@@ -301,7 +307,15 @@ class Scheduler:
         req.schedule_row(self.next_step_id, n + placeholder_inputs, len(drafts) + slots)
         return ScheduledRow(req.key, req.generation, req.slot, start, req.token_ids(start, start + n),
                             list(req.block_ids), sampling, drafts, slots, placeholder_inputs, prev_step, shifted,
-                            bitmask, min(num_forced, len(drafts)))
+                            num_forced=min(num_forced, len(drafts)))
+
+    def _with_masks(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:
+        """The grammar rows with their bitmasks, every row's computed at once (`grammar.fill_masks`)."""
+        if not self.masking:
+            return rows
+        masks = dict(zip(self.masking, fill_masks(list(self.masking.values())), strict=True))
+        self.masking.clear()
+        return [msgspec.structs.replace(r, token_bitmask=masks[r.key]) if r.key in masks else r for r in rows]
 
     def _skip_drafts(self, rows: list[ScheduledRow]) -> bool:
         """K=0 when no row can verify drafts proposed after this step: rows that sample nothing
