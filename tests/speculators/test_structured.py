@@ -123,3 +123,11 @@ def test_a_request_aborted_while_its_grammar_compiles_never_runs(core) -> None: 
     assert core.admit_compiled(wait=True) == []
     assert key not in core.scheduler.requests and not core.compiling
     assert (req.status, req.finish_reason, req.grammar) == (Status.FINISHED, "abort", None)
+
+
+def test_structured_output_in_batch_invariant_mode_equals_plain(prompts, plain, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Batch-invariant kernels with a speculator: the same tokens under every grammar."""
+    core = EngineCore(EngineConfig(platform="cpu", max_model_len=512, batch_invariant=True, speculator="mtp",
+                                   num_speculative_tokens=3))
+    assert run(core, prompts) == plain
+    assert core.stats()["spec"]["num_draft_tokens"] > 0
