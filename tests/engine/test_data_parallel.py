@@ -1,6 +1,7 @@
 """Data parallelism on the real default model: two engine-core ranks agree every step in one
-all-reduce; a step is K=0 only when both ranks vote so; a rank that only prefills (max_tokens=1)
-or has nothing at all never blocks the one that decodes; outputs equal one rank's."""
+all-reduce; a step is K=0 only when both ranks vote so, and never while a rank runs a dummy step
+(the K=0 RFC's rule); a rank that only prefills (max_tokens=1) or has nothing at all never blocks
+the one that decodes; outputs equal one rank's."""
 
 from __future__ import annotations
 
@@ -90,10 +91,13 @@ def test_prefilling_rank_and_decoding_rank_agree_on_k0(tokenizer) -> None:  # ty
         assert not t.is_alive(), "a rank did not stop"
     votes0, votes1 = cores[0].dp_votes, cores[1].dp_votes
     assert len(votes0) == len(votes1), "the ranks did not step in lockstep"
-    for (skip0, agreed0), (skip1, agreed1) in zip(votes0, votes1, strict=True):
-        assert agreed0 == agreed1 == (skip0 and skip1), "K=0 without both ranks voting for it"
-    assert any(skip0 and not agreed for (skip0, agreed), _ in zip(votes0, votes1, strict=True)), \
+    for v0, v1 in zip(votes0, votes1, strict=True):
+        assert v0.agreed == v1.agreed == (v0.skip and v1.skip), "K=0 without both ranks voting for it"
+        assert not ((v0.dummy or v1.dummy) and v0.agreed), "K=0 in a step where a rank ran a dummy batch"
+    assert any(v0.skip and not v0.agreed for v0 in votes0), \
         "the prefilling rank was never overruled: the test proves nothing"
+    assert any(v0.dummy and v1.skip for v0, v1 in zip(votes0, votes1, strict=True)), \
+        "rank 1 never could skip beside an idle rank 0: the RFC's rule was not exercised"
     assert cores[0].dp is not None and cores[0].dp.num_dummy_steps > 0, "rank 0 never idled beside rank 1"
     single = EngineCore(CONFIG)
     want = run_loop(single, [w[1] for w in prefill + decode], [w[2] for w in prefill + decode])
