@@ -79,15 +79,22 @@ class DataParallelGroup:
         self.store = dist.TCPStore(host, port, size, rank == 0, timeout=join, wait_for_workers=False)
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("speckernel-dp", self.store), rank, size, timeout)
         self.wakes = dist.PrefixStore("speckernel-dp-wake", self.store)
+        # Its own connection: a client blocked in wait() holds its socket, so a wake() through
+        # the same one would wait for that wait to time out.
+        self.wake_waits = dist.PrefixStore("speckernel-dp-wake", dist.TCPStore(
+            host, port, size, False, timeout=join, wait_for_workers=False))
         self.buf = torch.zeros(4, dtype=torch.int64)
         self.num_steps = 0
         self.num_dummy_steps = 0
         self.num_padding_rows = 0
         """Rows this rank would have padded its batches with to the agreed size (see the module doc)."""
         self.vote_s = 0.0
-        """Seconds spent in the all-reduce: waiting for the slowest rank, plus the collective."""
+        """Seconds of the timed turns spent in the all-reduce: waiting for the slowest rank, plus
+        the collective."""
         self.turn_s = 0.0
-        """Seconds of the loop's turns, vote to vote (step period = turn_s / num_steps)."""
+        """Seconds of the loop's turns, vote to vote, idle waits left out (turn period: turn_s
+        over the turns it counts, `num_timed_turns`)."""
+        self.num_timed_turns = 0
         self._turn_started = 0.0
         self._stale_wake: str | None = None
 
@@ -101,9 +108,10 @@ class DataParallelGroup:
         except RuntimeError as e:
             raise EngineDeadError(f"data-parallel rank {self.rank}: a peer rank is gone ({e})") from None
         now = time.perf_counter()
-        self.vote_s += now - started
         if self._turn_started:
             self.turn_s += now - self._turn_started
+            self.vote_s += now - started
+            self.num_timed_turns += 1
         self._turn_started = now
         self.num_steps += 1
         got = self.buf.tolist()
@@ -114,9 +122,11 @@ class DataParallelGroup:
         return Agreement(padded_rows=got[0], skip_drafts=not got[1], any_work=bool(got[2]), stopping=bool(got[3]))
 
     def wake_key(self) -> str:
-        """The key of this idle turn: the same on every rank, since they vote in lockstep."""
+        """The key of this idle turn: the same on every rank, since they vote in lockstep. The
+        idle wait is no part of a turn's time: the next turn is timed from its vote."""
         key = str(self.num_steps)
         self._stale_wake = key
+        self._turn_started = 0.0
         return key
 
     def wake(self, key: str) -> None:
@@ -126,7 +136,7 @@ class DataParallelGroup:
     def wait_for_wake(self, key: str, timeout_s: float) -> bool:
         """Blocks until a rank sets `key` or the timeout passes; whether it was set."""
         try:
-            self.wakes.wait([key], datetime.timedelta(seconds=timeout_s))
+            self.wake_waits.wait([key], datetime.timedelta(seconds=timeout_s))
         except (RuntimeError, dist.DistStoreError):  # the timeout (or the store is gone: the next vote says)
             return False
         return True
@@ -134,4 +144,4 @@ class DataParallelGroup:
     def stats(self) -> dict[str, float | int]:
         return {"rank": self.rank, "size": self.size, "num_steps": self.num_steps,
                 "num_dummy_steps": self.num_dummy_steps, "num_padding_rows": self.num_padding_rows,
-                "vote_s": self.vote_s, "turn_s": self.turn_s}
+                "vote_s": self.vote_s, "turn_s": self.turn_s, "num_timed_turns": self.num_timed_turns}

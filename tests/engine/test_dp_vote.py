@@ -78,20 +78,26 @@ def test_the_agreement_reports_padding_and_times_the_vote(groups) -> None:  # ty
     assert all(g.vote_s > b[1] and g.num_steps == b[2] + 1 for g, b in zip(groups, before, strict=True))
 
 
-def test_a_message_at_one_rank_wakes_the_idle_others_at_once(groups) -> None:  # type: ignore[no-untyped-def]
+def test_a_message_at_one_rank_wakes_the_idle_ranks_at_once(groups) -> None:  # type: ignore[no-untyped-def]
+    """Both ranks wait (as idle ranks do); rank 1 gets a message and wakes them, its own wait
+    included: a wake that queued behind its own rank's wait would end only at the timeout."""
     keys = both(groups, lambda r, g: g.wake_key())
     assert keys[0] == keys[1]  # the ranks vote in lockstep, so they wait on one key
-    waited: list[float] = []
+    waited: dict[int, float] = {}
 
-    def wait() -> None:
+    def wait(r: int) -> None:
         started = time.monotonic()
-        assert groups[0].wait_for_wake(keys[0], 20.0)
-        waited.append(time.monotonic() - started)
+        assert groups[r].wait_for_wake(keys[r], 20.0)
+        waited[r] = time.monotonic() - started
 
-    waiter = threading.Thread(target=wait)
-    waiter.start()
+    waiters = [threading.Thread(target=wait, args=(r,)) for r in range(2)]
+    for t in waiters:
+        t.start()
     time.sleep(0.2)
+    woke = time.monotonic()
     groups[1].wake(keys[1])
-    waiter.join(20)
-    assert waited and 0.15 < waited[0] < 5.0, waited
+    assert time.monotonic() - woke < 5.0, "the wake waited for its own rank's wait"
+    for t in waiters:
+        t.join(20)
+    assert sorted(waited) == [0, 1] and all(0.15 < w < 5.0 for w in waited.values()), waited
     assert not groups[0].wait_for_wake("never-set", 0.05)  # no message anywhere: the wait times out
