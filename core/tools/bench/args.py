@@ -210,8 +210,9 @@ def pp_arguments(p: argparse.ArgumentParser) -> None:
                    help="token budget per step (smaller: more prefill chunks to pipeline)")
     p.add_argument("--pipeline-transport", default=None, metavar="NAME",
                    help="transport between pipeline stages (default: the engine's)")
-    p.add_argument("--dp-in-process", action="store_true",
-                   help="data-parallel ranks as threads of this process (default: a process each)")
+    p.add_argument("--dp-ranks", type=lambda text: text.split(","), default=["process", "in-process"],
+                   help="where data-parallel ranks run, comma-separated: process (a process each, as "
+                        "served), in-process (threads of this process) (default: both)")
     engine_flags(p, max_num_seqs=64, max_model_len=1024, process=False)
 
 

@@ -9,9 +9,10 @@ frames; for data parallelism the period of the ranks' lockstep turns and the sha
 in the vote (the all-reduce, waiting for the slowest rank included). Outputs are compared with
 PP=1's, token for token.
 
-Data-parallel ranks run as their own processes, as `--data-parallel-size` serves them: ranks
-that are threads of one process share its interpreter lock, so their host work runs one rank at
-a time (`--dp-in-process` measures that layout).
+Data-parallel ranks run both as their own processes, as `--data-parallel-size` serves them,
+and as threads of this process (`--dp-ranks`): threads share one interpreter lock, so their host
+work runs one rank at a time, and they share one device context, so their kernels need no
+context switch. The graph steps column shows whether the ranks replayed device graphs.
 """
 
 from __future__ import annotations
@@ -36,8 +37,16 @@ TODAYS_STAGE_TRANSPORT = "torch_dist"
 transport (`transport_name`)."""
 
 
-def layouts(args: argparse.Namespace) -> list[tuple[int, int]]:
-    return [(pp, 1) for pp in args.pipeline_sizes] + [(1, dp) for dp in args.data_parallel_sizes]
+DP_RANKS = ("process", "in-process")
+
+
+def layouts(args: argparse.Namespace) -> list[tuple[int, int, str]]:
+    """(PP, DP, where the cores run) of each engine: PP=1 first, the reference of the others."""
+    if unknown := set(args.dp_ranks) - set(DP_RANKS):
+        raise InvalidInputError(f"--dp-ranks: unknown {', '.join(sorted(unknown))}; expected {', '.join(DP_RANKS)}")
+    ranks = [r for r in DP_RANKS if r in args.dp_ranks]
+    return [(pp, 1, "default") for pp in args.pipeline_sizes] + [
+        (1, dp, r) for dp in args.data_parallel_sizes for r in ranks]
 
 
 def transport_name(config: EngineConfig, stats: dict[str, Any]) -> str | None:
@@ -54,16 +63,16 @@ def transport_name(config: EngineConfig, stats: dict[str, Any]) -> str | None:
     return str(configured) if configured else TODAYS_STAGE_TRANSPORT
 
 
-def layout_config(args: argparse.Namespace, name: str | None, pp: int, dp: int) -> EngineConfig:
+def layout_config(args: argparse.Namespace, name: str | None, pp: int, dp: int, ranks: str) -> EngineConfig:
     config = msgspec.structs.replace(
         with_speculator(base_config(args), args, name), pipeline_parallel_size=pp, data_parallel_size=dp,
         max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype or "float32")
-    if dp > 1 and not args.dp_in_process:
-        config = msgspec.structs.replace(config, in_process=False)
+    if ranks != "default":
+        config = msgspec.structs.replace(config, in_process=ranks == "in-process")
     if args.pipeline_transport:
         if "pipeline_transport" not in EngineConfig.__struct_fields__:
             raise InvalidInputError("--pipeline-transport: this engine has no pipeline_transport setting")
-        config = msgspec.structs.replace(config, pipeline_transport=args.pipeline_transport)  # type: ignore[call-arg,unused-ignore]
+        config = msgspec.structs.replace(config, pipeline_transport=args.pipeline_transport)
     return config
 
 
@@ -102,8 +111,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts: list[list[int]] = []
     concurrencies = sorted(set(args.concurrency))
     for name in [None, *(args.speculator or DEFAULT_SPECULATORS)]:
-        for pp, dp in layouts(args):
-            config = layout_config(args, name, pp, dp)
+        for pp, dp, ranks in layouts(args):
+            config = layout_config(args, name, pp, dp, ranks)
             started = time.monotonic()
             async with AsyncEngine(config) as engine:
                 start_s = time.monotonic() - started
@@ -147,19 +156,19 @@ def markdown(report: dict[str, Any]) -> list[str]:
     lines = preamble(report, f"Pipeline and data parallelism: greedy requests of {report['max_tokens']} tokens "
                              f"at concurrency {conc}, K={report['num_speculative_tokens']}")
     lines += [
-        "| speculator | PP | DP | concurrency | requests | tokens/s | x PP=1 | step period ms | bubbles (mean) "
-        "| bubbles (worst stage) | transport | DP turn ms | DP vote share | mean acceptance length "
-        "| identical to PP=1 | engine start s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| speculator | PP | DP | concurrency | requests | tokens/s | x PP=1 | step period ms | graph steps "
+        "| bubbles (mean) | bubbles (worst stage) | transport | DP turn ms | DP vote share "
+        "| mean acceptance length | identical to PP=1 | engine start s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
         same = MISSING if r["identical_to_pp1"] is None else f"{r['identical_to_pp1']}/{r['num_requests']}"
-        dp = f"{r['data_parallel_size']}" + (" (in-process)" if r["data_parallel_size"] > 1
-                                             and r["ranks"] == "in-process" else "")
+        dp = f"{r['data_parallel_size']}" + (f" ({r['ranks']})" if r["data_parallel_size"] > 1 else "")
         lines.append(
             f"| {r['speculator']} | {r['pipeline_parallel_size']} | {dp} | {r['concurrency']} | "
             f"{r['num_requests']} | {r['tokens_per_s']:.1f} | {cell(r['ratio_to_pp1'])} | "
-            f"{cell(r['step_period_ms'], '.2f')} | {cell(r['bubble_mean'], '.0%')} | {cell(r['bubble_max'], '.0%')} | "
+            f"{cell(r['step_period_ms'], '.2f')} | {r['num_graph_steps']}/{r['num_steps']} | "
+            f"{cell(r['bubble_mean'], '.0%')} | {cell(r['bubble_max'], '.0%')} | "
             f"{r['transport'] or MISSING} | {cell(r['dp_step_period_ms'], '.2f')} | "
             f"{cell(r['dp_vote_share'], '.0%')} | "
             f"{cell(r['spec'].get('mean_acceptance_length'))} | {same} | {r['engine_start_s']:.1f} |")
@@ -176,7 +185,8 @@ def plot(report: dict[str, Any], plt: Any) -> Any:
     fig, axes = plt.subplots(1, len(concurrencies), figsize=(4.5 * len(concurrencies), 4), squeeze=False)
     for ax, c in zip(axes[0], concurrencies, strict=True):
         runs = [r for r in report["runs"] if r["concurrency"] == c]
-        labels = [f"{r['speculator']}\nPP={r['pipeline_parallel_size']} DP={r['data_parallel_size']}" for r in runs]
+        labels = [f"{r['speculator']}\nPP={r['pipeline_parallel_size']} DP={r['data_parallel_size']}"
+                  + (f" {r['ranks']}" if r["data_parallel_size"] > 1 else "") for r in runs]
         ax.bar(range(len(runs)), [r["tokens_per_s"] for r in runs])
         ax.set_xticks(range(len(runs)), labels, fontsize="xx-small", rotation=90)
         ax.set_title(f"concurrency {c}", fontsize="small")
