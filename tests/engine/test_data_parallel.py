@@ -5,13 +5,16 @@ the one that decodes; outputs equal one rank's."""
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from typing import Any
 
 import anyio
 import msgspec
 import numpy as np
 import pytest
+import torch
 
 from speckernel import AsyncEngine, SamplingParams
 from speckernel.config import EngineConfig
@@ -105,6 +108,8 @@ def test_prefilling_rank_and_decoding_rank_agree_on_k0(tokenizer) -> None:  # ty
 
 
 async def test_frontend_balances_requests_over_ranks(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Requests spread over the ranks, whose loops run ahead as the single engine's does (rows
+    scheduled while their predecessor runs), and the outputs are one engine's."""
     ids = [tokenizer.encode(p) for p in PROMPTS[:4]]
     config = msgspec.structs.replace(CONFIG, speculator=None, in_process=True, data_parallel_size=2)
     async with AsyncEngine(config) as engine:
@@ -119,8 +124,39 @@ async def test_frontend_balances_requests_over_ranks(tokenizer) -> None:  # type
         client = engine._client
         loads = [len(c.core.scheduler.requests) for c in client.ranks]  # type: ignore[union-attr]
         steps = [c.core.num_steps for c in client.ranks]  # type: ignore[union-attr]
+        overlapped = [c.core.ledger.num_async_rows for c in client.ranks]  # type: ignore[union-attr]
     assert all(s > 0 for s in steps), f"a rank served nothing: steps {steps}"
+    assert all(n > 0 for n in overlapped), f"a rank never scheduled a step while one ran: {overlapped}"
     assert loads == [0, 0]
     single = EngineCore(msgspec.structs.replace(CONFIG, speculator=None))
     want = await anyio.to_thread.run_sync(run_loop, single, ids, DECODE)  # its own event loop
     assert [got[i] for i in range(4)] == want
+
+
+def test_ranks_built_in_one_process_set_up_their_devices_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks built at once in one process take turns at loading and capturing: a capture
+    beside another core's allocations on the same device fails, and the ranks then ran eagerly."""
+    spans: list[tuple[float, float]] = []
+    local_runner = EngineCore._local_runner
+
+    def timed(self: EngineCore, *args: Any) -> Any:
+        started = time.monotonic()
+        runner = local_runner(self, *args)
+        time.sleep(0.3)  # a capture's worth of device work, long enough for the other to collide
+        spans.append((started, time.monotonic()))
+        return runner
+
+    monkeypatch.setattr(EngineCore, "_local_runner", timed)
+    monkeypatch.setattr(sys.modules[__name__], "CONFIG", msgspec.structs.replace(
+        CONFIG, model="random:tiny", speculator=None, max_model_len=128))
+    ranks()
+    first, second = sorted(spans)
+    assert first[1] <= second[0], "the ranks set up their devices at the same time"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device graphs need a GPU")
+def test_ranks_built_in_one_process_both_capture_their_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "CONFIG", msgspec.structs.replace(CONFIG, platform="cuda"))
+    cores = ranks()
+    assert all(c.runner.graphs is not None and c.runner.graphs.graphs for c in cores), \
+        "a rank lost its graphs: its steps run eagerly"
