@@ -62,8 +62,9 @@ from .speculation import Speculation, build_speculator, check_speculator
 from .stages import Pipeline
 
 SPECULATOR_FAILURE_LIMIT = 8
-DP_VOTES_KEPT = 4096
 """Consecutive steps whose speculator pass raised, after which the engine serves without it."""
+DP_VOTES_KEPT = 4096
+"""A data-parallel rank's latest votes kept for inspection (tests); its counters count them all."""
 DEVICE_SETUP = threading.Lock()
 """Held while a core loads its weights, captures its graphs and warms its kernels. Cores built at
 once in one process (in-process data-parallel ranks) would otherwise capture while another
@@ -101,7 +102,8 @@ class EngineCore:
                 lookahead_slots=lookahead_slots(caps, k),
                 draft_kv_bytes_per_token=spec.cls.draft_kv_bytes_per_token(spec.ctx) if spec is not None else 0,
                 # Data-parallel ranks on one host share its device: each takes its share of what is
-                # free (they start at once, so each would otherwise plan on memory another takes).
+                # free (rank processes start at once, so each would otherwise plan on memory
+                # another takes).
                 budget_bytes=lambda: self.platform.kv_budget_bytes() // config.data_parallel_size)
             self.max_model_len = kv.max_model_len
             attention = self.platform.attention_backend(config.block_size, config.max_num_batched_tokens,
