@@ -128,7 +128,7 @@ class EngineCore:
                                        async_scheduling=config.async_scheduling, pipeline=pipeline,
                                        prompt_tokens_apart=self._prompt_tokens_apart(),
                                        prompt_steps_per_decode=config.prompt_steps_per_decode,
-                                       prompt_batch=self._prompt_batch())
+                                       prompt_batch=self._prompt_batch(), grammar_drafts=config.grammar_drafts)
             self.ledger = Ledger(self.scheduler)
             self.governor = self._governor(caps, k)  # times the graphs: on the device too
             if self.governor is not None:

@@ -49,6 +49,10 @@ class StageReport(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds this stage spent running steps (the rest of its time it waited: the bubbles)."""
     beat: bool = False
     """A liveness beat (every BEAT_S from a thread of its own), not an answer to a command."""
+    speculator: str = ""
+    """The class of the speculator this stage built ("": none; drafters live on the last stage)."""
+    drafter_bytes: int = 0
+    """Bytes of the tensors that speculator holds (its weights, buffers and draft KV)."""
 
 
 BEAT_S = 0.5

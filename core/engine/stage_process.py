@@ -31,7 +31,7 @@ from ..platform import Platform, parse_dtype
 from ..runner.stage_runner import HiddenLink, StageRunner, StageSlice, split_layers
 from ..wire.limits import engine_frame_limit
 from .check import check
-from .speculation import build_speculator, check_speculator
+from .speculation import build_speculator, check_speculator, held_bytes
 from .stage_group import StageGroup, plan_group
 from .stage_messages import BEAT_S, Digest, StageBootstrap, StageCommand, StageReport, Stop
 
@@ -61,6 +61,8 @@ class Stage:
         if spec is not None and self.slice.last:  # drafters live on the last stage only
             speculator = build_speculator(config, spec, platform, boot.max_model_len, boot.num_blocks,
                                           boot.draft_kv_bytes)
+        self.speculator = type(speculator).__name__ if speculator is not None else ""
+        self.drafter_bytes = held_bytes(speculator)
         hidden_layers = spec.caps.target_hidden_layers if spec is not None else ()
         self.k = k
         group = dist.group.WORLD
@@ -122,7 +124,7 @@ class Stage:
 
     def report(self, ready: bool = False) -> StageReport:
         return StageReport(rank=self.rank, ready=ready, num_steps=self.num_steps, meta_digest=self.digest.hexdigest(),
-                           busy_s=self.busy_s)
+                           busy_s=self.busy_s, speculator=self.speculator, drafter_bytes=self.drafter_bytes)
 
 
 def _beat(ctx: zmq.Context[Any], address: str, rank: int) -> None:

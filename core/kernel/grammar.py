@@ -1,6 +1,7 @@
 """Grammar state of structured-output requests: compiled off the step loop, one matcher per request.
 
-Invariant: between steps a request's matcher has consumed exactly its output tokens. Scheduling a
+Invariant: between steps a request's matcher has consumed exactly its output tokens. What the
+grammar forces next (`forced`) goes ahead of a speculator's drafts, or alone. Scheduling a
 row for it (`RequestGrammar.plan`) consumes the longest prefix of its drafts the grammar accepts
 and writes one token bitmask per verified position (row j: what the grammar allows after the
 first j drafts, the K+1 rows verification masks); before its next row (`sync`) those drafts are
@@ -40,6 +41,13 @@ class RequestGrammar:
                 log.warning("grammar_rejected_output", token=token, error=self.matcher.get_error())
                 break
         self.num_output = len(output_token_ids)
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to limit tokens the grammar forces next (its only continuation: a fixed key, a
+        closing brace), after `sync`: drafts that cost no drafter. The matcher does not move."""
+        if limit <= 0 or self.matcher.is_error() or self.matcher.is_stopped():
+            return []
+        return list(self.matcher.compute_ff_tokens()[:limit])
 
     def plan(self, drafts: list[int]) -> tuple[list[int], bytes]:
         """(the longest prefix of drafts the grammar accepts, its len + 1 bitmask rows as int32

@@ -36,8 +36,10 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  spec: SpecPolicy | None = None, async_scheduling: bool = False, pipeline: bool = False,
                  prompt_tokens_apart: int = 0, prompt_steps_per_decode: int = 1,
-                 prompt_batch: tuple[int, int] = (1, 0)) -> None:
+                 prompt_batch: tuple[int, int] = (1, 0), grammar_drafts: bool = True) -> None:
         self.blocks = block_manager
+        self.grammar_drafts = grammar_drafts
+        """Structured output: what a grammar forces next is verified as drafts (`_forced`)."""
         self.pipeline = pipeline
         """Pipeline stages: several frames in flight whose output the first stage has not seen;
         see `eligible`. Drafts always reach the host (the next frame carries them to every stage)."""
@@ -120,7 +122,7 @@ class Scheduler:
         req = next((r for r in self.running if self.in_prompt(r) and not r.in_flight), None)
         if req is None:
             return self._admit(budget, max_rows=1)
-        n_known, _, _ = self._plan(req, budget)
+        n_known, _, _, _ = self._plan(req, budget)
         return [self._row(req, n_known, [], 0)] if self._fit(req, n_known) else []
 
     def _several_prompts(self, per_row: int) -> list[ScheduledRow]:
@@ -133,7 +135,7 @@ class Scheduler:
         for req in [r for r in self.running if self.in_prompt(r) and not r.in_flight]:
             if len(rows) == max_rows or budget < 2:
                 return rows
-            n_known, _, _ = self._plan(req, min(budget, per_row))
+            n_known, _, _, _ = self._plan(req, min(budget, per_row))
             if n_known >= 2 and self.blocks.ensure(req, self._slots_needed(req, n_known)):
                 rows.append(self._row(req, n_known, [], 0))
                 budget -= n_known
@@ -167,10 +169,10 @@ class Scheduler:
                 budget -= rows[-1].num_tokens
                 i += 1
                 continue
-            n_known, drafts, slots = self._plan(req, budget)
+            n_known, drafts, slots, forced = self._plan(req, budget)
             if not self._fit(req, n_known + len(drafts) + slots):
                 break
-            rows.append(self._row(req, n_known, drafts, slots))
+            rows.append(self._row(req, n_known, drafts, slots, num_forced=forced))
             budget -= rows[-1].num_tokens
             i += 1
         if prompts:
@@ -193,7 +195,7 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(rows) < max_rows:
             req = self.waiting[0]
-            n_known, _, _ = self._plan(req, budget if per_row is None else min(budget, per_row))
+            n_known, _, _, _ = self._plan(req, budget if per_row is None else min(budget, per_row))
             if per_row is not None and n_known < 2:
                 break
             if not self.blocks.ensure(req, self._slots_needed(req, n_known)):
@@ -259,23 +261,39 @@ class Scheduler:
                    req.max_total_tokens - req.num_tokens - req.num_placeholders - req.num_unverified - 1)
         return max(0, min(req.num_draft_slots, room))
 
-    def _plan(self, req: Request, budget: int) -> tuple[int, list[int], int]:
-        """(known tokens, host drafts, device draft slots) to schedule for req within budget."""
+    def _plan(self, req: Request, budget: int) -> tuple[int, list[int], int, int]:
+        """(known tokens, host drafts, device draft slots, of the host drafts those the grammar
+        forces) to schedule for req within budget."""
         n_known = min(req.num_tokens - req.num_computed_tokens, budget)
         if req.num_computed_tokens + n_known < req.num_tokens:
-            return n_known, [], 0
+            return n_known, [], 0, 0
         # Drafts past what the request may still emit could never count: don't verify them.
         room = min(budget - n_known, req.params.max_tokens - len(req.output_token_ids) - 1,
                    req.max_total_tokens - req.num_tokens - 1)
         room = max(room, 0)
-        return n_known, req.draft_token_ids[:room], min(req.num_draft_slots, room)
+        forced = self._forced(req, room)
+        if forced:  # ahead of the speculator's drafts, which guess the same positions
+            return n_known, (forced + req.draft_token_ids[len(forced) :])[:room], 0, len(forced)
+        return n_known, req.draft_token_ids[:room], min(req.num_draft_slots, room), 0
+
+    def _forced(self, req: Request, room: int) -> list[int]:
+        """The tokens req's grammar forces next, within room (none without `grammar_drafts`, and
+        none beside a speculator whose drafts verification reads with their distribution). With
+        a speculator, or on pipeline stages, a row verifies at most K drafts, forced ones too."""
+        if self.spec is not None or self.pipeline:  # K wide: the speculator's buffers, a stage's token frame
+            room = min(room, self.spec.num_speculative_tokens if self.spec is not None else 0)
+        if (req.grammar is None or not self.grammar_drafts or room <= 0
+                or (self.spec is not None and self.spec.sampled_drafts)):
+            return []
+        req.grammar.sync(req.output_token_ids)
+        return req.grammar.forced(room)
 
     def _slots_needed(self, req: Request, n: int) -> int:
         lookahead = self.spec.lookahead_slots if self.spec is not None else 0
         return min(req.num_computed_tokens + n + lookahead, req.max_total_tokens + lookahead)
 
     def _row(self, req: Request, n: int, drafts: list[int], slots: int,
-             placeholder_inputs: int = 0, shifted: bool = False) -> ScheduledRow:
+             placeholder_inputs: int = 0, shifted: bool = False, num_forced: int = 0) -> ScheduledRow:
         start = req.num_computed_tokens
         final = req.samples_after(n + placeholder_inputs)
         bitmask = b""
@@ -298,7 +316,7 @@ class Scheduler:
         req.schedule_row(self.next_step_id, n + placeholder_inputs, len(drafts) + slots)
         return ScheduledRow(req.key, req.generation, req.slot, start, req.token_ids(start, start + n),
                             list(req.block_ids), sampling, drafts, slots, placeholder_inputs, prev_step, shifted,
-                            bitmask)
+                            bitmask, min(num_forced, len(drafts)))
 
     def _skip_drafts(self, rows: list[ScheduledRow]) -> bool:
         """K=0 when no row can verify drafts proposed after this step: rows that sample nothing

@@ -12,6 +12,7 @@ SCENARIOS = {
     "grammar": "structured output (JSON schema, json_object) against free text, with and without speculators",
     "hostsync": "a fixed-width speculator with and without copying draft IDs to the host",
     "invariant": "the batch-invariant mode against the default: tokens/s and outputs equal to plain greedy",
+    "loop": "the kernel's host work a step and a row (schedule + apply, a stand-in runner), on the CPU",
     "kernels": "each small-batch kernel against the fused path's launches, by shape and rows; --sweep tunes tiles",
     "pp": "pipeline (PP=1,2,4) and data (DP=2) parallelism, with and without a speculator",
     "prefill": "prefill-only requests with and without K=0 steps",
@@ -87,15 +88,20 @@ def positive_int(text: str) -> int:
     return value
 
 
-def int_list(text: str) -> list[int]:
+def int_list(text: str, least: int = 1) -> list[int]:
     """`1,4,16` → [1, 4, 16] (argparse type)."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    if not values or min(values) < least:
+        raise argparse.ArgumentTypeError(f"expected integers >= {least}, got {text!r}")
     return values
+
+
+def count_list(text: str) -> list[int]:
+    """`0,3` → [0, 3] (argparse type; 0 allowed)."""
+    return int_list(text, least=0)
 
 
 def fraction(text: str) -> float:
@@ -152,6 +158,14 @@ def hostsync_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int_list, default=[1, 16], help="comma-separated (default: 1,16)")
     repeats_flag(p)
     engine_flags(p)
+
+
+def loop_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rows", type=int_list, default=[1, 16, 64, 128],
+                   help="requests in flight, comma-separated (default: 1,16,64,128)")
+    p.add_argument("--loop-k", type=count_list, default=[0, 3], metavar="K",
+                   help="drafts a row verifies, comma-separated; 0: no speculator (default: 0,3)")
+    p.add_argument("--steps", type=int, default=200, help="decode steps timed per configuration")
 
 
 def invariant_arguments(p: argparse.ArgumentParser) -> None:
@@ -283,7 +297,7 @@ def startup_arguments(p: argparse.ArgumentParser) -> None:
 
 ARGUMENTS = {"accept": accept_arguments, "decode": decode_arguments, "grammar": grammar_arguments,
              "hostsync": hostsync_arguments, "invariant": invariant_arguments, "kernels": kernels_arguments,
-             "prefill": prefill_arguments, "pp": pp_arguments, "remote": remote_arguments,
+             "loop": loop_arguments, "prefill": prefill_arguments, "pp": pp_arguments, "remote": remote_arguments,
              "scale": scale_arguments, "startup": startup_arguments}
 
 
