@@ -224,12 +224,25 @@ class Scheduler:
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec is not None else 0,
         )
         self.next_step_id += 1
+        self._expect_drafts(frame)
+        return frame
+
+    def draft_anyway(self, frame: StepFrame) -> StepFrame:
+        """The frame just scheduled, drafting although it could skip (a data-parallel peer needs
+        drafts this step, and the ranks skip together or not at all); its run-ahead successors
+        then count on its drafts as if it had been scheduled so."""
+        if not frame.skip_drafts:
+            return frame
+        frame = msgspec.structs.replace(frame, skip_drafts=False)
+        self._expect_drafts(frame)
+        return frame
+
+    def _expect_drafts(self, frame: StepFrame) -> None:
         if self.spec is not None and self.spec.run_ahead and not frame.skip_drafts and not frame.host_drafts:
             # The drafts this frame proposes stay on the device: a run-ahead successor counts on them.
-            for row in rows:
+            for row in frame.rows:
                 if row.sampling is not None:
                     self.requests[row.key].expect_device_drafts(frame.num_speculative_tokens)
-        return frame
 
     def eligible(self, req: Request, budget: int) -> bool:
         """May a request with frames in flight be scheduled again? The batch queue's rule: a row

@@ -212,15 +212,22 @@ def grammar_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def pp_arguments(p: argparse.ArgumentParser) -> None:
-    speculator_flags(p, "repeatable; default: mtp; runs next to none")
+    speculator_flags(p, "repeatable; default: mtp and dflash; runs next to none")
     p.add_argument("--pipeline-sizes", type=int_list, default=[1, 2, 4], help="comma-separated (default: 1,2,4)")
     p.add_argument("--data-parallel-sizes", type=int_list, default=[2], help="comma-separated (default: 2)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
-    p.add_argument("--num-prompts", type=int, default=8, help="requests per run")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    p.add_argument("--num-prompts", type=int, default=16,
+                   help="requests per run, at least the run's concurrency (default: 16)")
+    p.add_argument("--concurrency", type=int_list, default=[1, 16, 64],
+                   help="requests in flight at once, comma-separated (default: 1,16,64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=256,
                    help="token budget per step (smaller: more prefill chunks to pipeline)")
-    engine_flags(p, max_num_seqs=16, max_model_len=1024, process=False)
+    p.add_argument("--pipeline-transport", default=None, metavar="NAME",
+                   help="transport between pipeline stages (default: the engine's)")
+    p.add_argument("--dp-ranks", type=lambda text: text.split(","), default=["process", "in-process"],
+                   help="where data-parallel ranks run, comma-separated: process (a process each, as "
+                        "served), in-process (threads of this process) (default: both)")
+    engine_flags(p, max_num_seqs=64, max_model_len=1024, process=False)
 
 
 def scale_arguments(p: argparse.ArgumentParser) -> None:
