@@ -100,7 +100,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     started by the engine core with torch.distributed's env:// rendezvous on the platform's
     `dist_backend`; 1 runs the whole model in the engine core."""
     pipeline_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
-    """The stages' rendezvous port (MASTER_PORT) on this host; 0 takes a free one."""
+    """The stages' rendezvous port (MASTER_PORT) on `pipeline_host`; 0 takes a free one."""
+    pipeline_host: str = "127.0.0.1"
+    """Where the stages meet: the rendezvous, the links between stages and the engine core's
+    sockets listen on this address (an IP address of this host that every stage reaches)."""
+    pipeline_transport: str | None = None
+    """The transport (a `speckernel.transports` entry-point name) of the links between stages
+    and of the last stage's token frames to the engine core; None takes the first installed of
+    the platform's `preferred_transports`."""
     data_parallel_size: Positive = 1
     """Engine-core ranks behind the frontend, each with its own model and requests; every step
     they agree in one all-reduce on the padded batch size and on skipping drafts."""

@@ -33,6 +33,10 @@ class PlatformCapabilities(msgspec.Struct, frozen=True, kw_only=True):
     """Triton kernels run here natively."""
     priority: int = 0
     """Automatic selection takes the available platform with the highest priority."""
+    preferred_transports: tuple[str, ...] = ("zmq",)
+    """Transport entry-point names for the links between pipeline stages, best first: the engine
+    takes the first one installed unless configuration names one (`pipeline_transport`). The
+    default works wherever processes on the host (or across hosts) reach each other."""
 
 
 class GraphCaptureUnsupportedError(SpeckernelError, NotImplementedError):

@@ -23,7 +23,8 @@ from speckernel.platforms.accelerator import TorchAcceleratorPlatform
 class AscendPlatform(TorchAcceleratorPlatform):
     name = "ascend"
     capabilities = PlatformCapabilities(device_type="npu", default_dtype="bfloat16", dist_backend="hccl",
-                                        supports_graphs=False, priority=5)
+                                        supports_graphs=False, priority=5,
+                                        preferred_transports=("torch_dist",))
     graph_class = "NPUGraph"
     """Where graphs would come from (`graph_capture`), once an attention backend plans on the NPU."""
 

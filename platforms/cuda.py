@@ -22,7 +22,7 @@ class CudaPlatform(TorchAcceleratorPlatform):
     name = "cuda"
     capabilities = PlatformCapabilities(device_type="cuda", default_dtype="bfloat16", dist_backend="nccl",
                                         supports_graphs=True, triton=importlib.util.find_spec("triton") is not None,
-                                        priority=10)
+                                        priority=10, preferred_transports=("cuda_ipc", "torch_dist"))
     graph_class = "CUDAGraph"
 
     @classmethod

@@ -134,6 +134,19 @@ def install_speculators(monkeypatch: pytest.MonkeyPatch, module: str, classes: d
     monkeypatch.setattr(registry, "discover", discover)
 
 
+def install_package(folder: Path, target: Path) -> Path:
+    """A third-party plugin package (tests/example_*) installed into `target`, beside the installed
+    speckernel (no dependencies, no index): put it on PYTHONPATH to see it through its entry points."""
+    import importlib.util  # only the plugin-package tests install one
+    import subprocess
+    import sys
+
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *isolation,
+                    "--target", str(target), str(folder)], check=True, timeout=600)
+    return target
+
+
 def run_to_completion(core, prompts: list[list[int]], params, prefix: str = "r") -> list[list[int]]:  # type: ignore[no-untyped-def]
     """Adds every prompt to an in-process core and steps it until all finish; outputs in order."""
     from speckernel.wire.messages import AddRequest

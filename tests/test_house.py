@@ -115,6 +115,48 @@ def test_the_kernel_never_imports_a_concrete_plugin() -> None:
     assert not {m: i for m, i in reached.items() if i}
 
 
+def named_plugin_loads(source: ast.Module) -> list[str]:
+    """`registry.load(kind, "<a name>")` calls: a plugin chosen by the code, not by configuration."""
+    found = []
+    for node in ast.walk(source):
+        name = node.func.attr if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else \
+            node.func.id if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) else None
+        if (isinstance(node, ast.Call) and name == "load"
+                and len(node.args) == 2 and all(isinstance(a, ast.Constant) for a in node.args)
+                and node.args[0].value == "transport"):
+            found.append(f"line {node.lineno}: load({node.args[0].value!r}, {node.args[1].value!r})")
+    return found
+
+
+LOOPBACK = re.compile(r"127\.0\.0\.1|\blocalhost\b|\[::1\]")
+"""A loopback address in a string: where stages meet comes from configuration (whose default is one)
+or the rendezvous, never from the engine."""
+
+
+PIPELINE = [m for m in KERNEL if m.rsplit(".", 1)[-1].startswith(("stage", "core")) and role(m) in ("engine", "runner")]
+"""The modules of pipeline stages and the engine core that starts them."""
+
+
+def test_the_engine_never_names_a_transport_nor_a_loopback_address() -> None:
+    """Configuration (or the platform's preference) picks the transport, loaded by name from the
+    registry; every address a stage uses comes from configuration or the rendezvous."""
+    named = {m: found for m in KERNEL if (found := named_plugin_loads(tree(m)))}
+    assert not named, named
+    loopback = {m: [i + 1 for i, line in enumerate(MODULES[m].read_text().splitlines()) if LOOPBACK.search(line)]
+                for m in PIPELINE}
+    assert not {m: lines for m, lines in loopback.items() if lines}
+
+
+@pytest.mark.parametrize("source", ['registry.load("transport", "zmq")', "load('transport', 'torch_dist')(group)"])
+def test_the_transport_rule_catches_a_named_transport(source: str) -> None:
+    assert named_plugin_loads(ast.parse(source))
+
+
+def test_the_transport_rule_allows_a_configured_one() -> None:
+    assert not named_plugin_loads(ast.parse('registry.load("transport", config.pipeline_transport)'))
+    assert LOOPBACK.search('f"tcp://127.0.0.1:*"') and not LOOPBACK.search('f"tcp://{host}:*"')
+
+
 @pytest.mark.parametrize("folder", sorted(PLUGIN_API))
 def test_plugins_import_only_their_public_modules(folder: str) -> None:
     allowed = PLUGIN_API[folder]

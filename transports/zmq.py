@@ -3,24 +3,32 @@
 Neither side can hang the other: sends give up after `send_timeout_s` (a PAIR socket blocks
 while no peer is connected), a malformed message is a ValueError, never a crash, and a frame
 over `max_frame_bytes` drops the link before it is read.
+
+A host transport: a tensor crosses as its bytes. A device tensor is copied to the host when it
+is sent, which waits for the device (`device_direct` is False); between devices, cuda_ipc or
+torch_dist move tensors without that wait.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING, Self
 
 import msgspec
-import numpy as np
 import zmq
 
-from speckernel.transport import HiddenStates, TokenFrame, TransportCapabilities, TransportMessage
+from speckernel.transport import (
+    MAX_FRAME_BYTES,
+    HostTensor,
+    TokenFrame,
+    TransportCapabilities,
+    TransportContext,
+    TransportMessage,
+)
 from speckernel.wire.codec import Decoder, Encoder
 
-MAX_FRAME_BYTES = 2**30
-"""A larger frame (its length is read first) drops the peer's connection unbuffered: a forged
-length never makes the receiver allocate it. 1 GiB holds hidden states [T, H] of 32k tokens of a
-8192-wide float32 model; the engine passes the bound of its own links (`speckernel.wire.limits`)."""
-
+if TYPE_CHECKING:
+    import torch
 
 class ZmqTransport:
     name = "zmq"
@@ -38,7 +46,15 @@ class ZmqTransport:
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT) if bind else address
         self.encoder = Encoder()
         self.decoder = Decoder(TransportMessage)
-        self.stash: dict[type, deque[object]] = {TokenFrame: deque(), HiddenStates: deque()}
+        self.stash: dict[type, deque[object]] = {TokenFrame: deque(), HostTensor: deque()}
+        self.device = "cpu"
+
+    @classmethod
+    def open(cls, ctx: TransportContext) -> Self:
+        """Binds or connects at ctx.address at once (a PAIR socket queues until the peer comes)."""
+        end = cls(ctx.address, ctx.bind, send_timeout_s=ctx.timeout_s, max_frame_bytes=ctx.max_frame_bytes)
+        end.device = ctx.device
+        return end
 
     def _recv(self, want: type, timeout_s: float | None) -> object:
         if self.stash[want]:
@@ -66,12 +82,14 @@ class ZmqTransport:
     def recv_frame(self, timeout_s: float | None = None) -> TokenFrame:
         return self._recv(TokenFrame, timeout_s)  # type: ignore[return-value]
 
-    def send_hidden(self, step_id: int, hidden: np.ndarray) -> None:
-        self._send(HiddenStates(step_id, hidden))
+    def send_tensor(self, step_id: int, tensor: torch.Tensor) -> None:
+        self._send(HostTensor.of(step_id, tensor))  # zmq sends later: the copy keeps the caller's its own
 
-    def recv_hidden(self, timeout_s: float | None = None) -> tuple[int, np.ndarray]:
-        msg: HiddenStates = self._recv(HiddenStates, timeout_s)  # type: ignore[assignment]
-        return msg.step_id, msg.data
+    def recv_tensor(self, step_id: int, shape: tuple[int, ...], dtype: torch.dtype,
+                    timeout_s: float | None = None) -> torch.Tensor:
+        msg = self._recv(HostTensor, timeout_s)
+        assert isinstance(msg, HostTensor)
+        return msg.tensor(step_id, shape, dtype, self.device, f"zmq {self.address}")
 
     def close(self) -> None:
         self.sock.close(linger=0)

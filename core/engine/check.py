@@ -128,10 +128,13 @@ def check_pipeline(config: EngineConfig, num_layers: int, cls: type[Speculator] 
         if caps.uses_target_kv:
             raise InvalidInputError(f"speculator {config.speculator!r} reads the target's KV cache, which "
                                     f"{spell('pipeline_parallel_size')} {pp} spreads over the stages")
+    transports = registry.discover("transport")
+    if config.pipeline_transport is not None and config.pipeline_transport not in transports:
+        raise UnknownPluginError("transport", config.pipeline_transport, list(transports))
     if config.pipeline_port:
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", config.pipeline_port))
+                s.bind((config.pipeline_host, config.pipeline_port))
             except OSError as e:
                 raise InvalidInputError(f"{spell('pipeline_port')} {config.pipeline_port}: {e.strerror}") from None
 

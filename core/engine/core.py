@@ -38,7 +38,7 @@ from ..ops.jit_watch import WATCH as JIT_WATCH
 from ..platform import parse_dtype
 from ..plugin import Speculator, SpeculatorCapabilities, drafting_kind
 from ..runner.model_runner import ModelRunner
-from ..runner.step_graphs import StepGraphs, prefill_buckets, prompt_batch_buckets, warm_eager
+from ..runner.step_graphs import StepGraphs
 from ..sampling_params import sampling_params
 from ..wire.messages import (
     AbortRequests,
@@ -56,6 +56,7 @@ from ..wire.messages import (
 )
 from .check import Checked, check, check_pipeline
 from .data_parallel import IDLE_WAKE_S, DataParallelGroup, Vote, votes_to_skip
+from .fast_path import capture_graphs, use_kernels, warm_kernels
 from .heap import frozen_while_serving
 from .runner import PendingResult, Runner
 from .speculation import Speculation, build_speculator, check_speculator
@@ -105,6 +106,7 @@ class EngineCore:
                 # free (rank processes start at once, so each would otherwise plan on memory
                 # another takes).
                 budget_bytes=lambda: self.platform.kv_budget_bytes() // config.data_parallel_size)
+            self.kv = kv
             self.max_model_len = kv.max_model_len
             attention = self.platform.attention_backend(config.block_size, config.max_num_batched_tokens,
                                                         max_rows=config.max_num_seqs + 1,
@@ -120,7 +122,7 @@ class EngineCore:
                 # The stages hold the weights, the KV and the drafter; the core keeps the requests.
                 if policy is not None:  # the first stage learns a step's drafts from its frame, never ahead of it
                     policy = msgspec.structs.replace(policy, run_ahead=False)
-                self.runner = Pipeline(config, checked, kv, k)
+                self.runner = Pipeline(config, checked, kv, k, self.platform.capabilities)
             else:
                 self.runner = self._local_runner(checked, spec, kv, k, attention, policy)
             self.scheduler = Scheduler(BlockManager(kv.num_blocks, config.block_size),
@@ -174,10 +176,7 @@ class EngineCore:
                              force_host_drafts=config.force_host_drafts,
                              max_num_tokens=config.max_num_batched_tokens,
                              run_ahead=policy is not None and policy.run_ahead)
-        if self.platform.capabilities.triton:
-            model.use_triton_ops(True)
-        model.use_small_batch_ops(config.small_batch_kernels)
-        model.use_batch_invariant_ops(config.batch_invariant)
+        use_kernels(model, self.platform, config)
         self.runner = runner
         runner.graphs = self._capture_graphs(runner, spec.caps if spec is not None else None, k)
         self._warm_kernels(runner, k)
@@ -230,40 +229,13 @@ class EngineCore:
         return build_speculator(self.config, spec, self.platform, kv.max_model_len, kv.num_blocks, kv.draft_kv_bytes)
 
     def _capture_graphs(self, runner: ModelRunner, caps: SpeculatorCapabilities | None, k: int) -> StepGraphs | None:
-        """Device graphs of decode and verification steps (verify width 0 or K) and of lone
-        prompts, where the platform and the backend allow; None runs every step eagerly."""
-        config = self.config
-        if not (self.platform.capabilities.supports_graphs and not config.enforce_eager
-                and runner.attention.supports_padding and runner.attention.device_planned):
-            return None
-        max_tokens = min(config.max_num_batched_tokens, self.max_model_len)
-        graphs = StepGraphs(runner, self.platform, config.max_num_seqs, verify_widths=(0, k),
-                            propose_widths=(0, k) if self.drafts_in_step else (0,),
-                            prefill_tokens=prefill_buckets(max_tokens),
-                            prompt_batches=prompt_batch_buckets(config.max_num_seqs, config.max_num_batched_tokens)
-                            if config.prompts_apart and config.prompt_batches else ())
-        try:
-            graphs.capture()
-        except Exception:  # the engine still serves, eagerly; stats show no graph steps
-            self.log.exception("graph_capture_failed")
-            return None
-        return graphs
+        return capture_graphs(runner, self.platform, self.config, self.max_model_len, k, self.drafts_in_step)
 
     def _warm_kernels(self, runner: ModelRunner, k: int) -> None:
-        """Builds every Triton kernel variant an eager step can launch (the graphs built theirs),
-        then seals the watch: a variant built later is a stall while serving, counted in the
-        stats and logged."""
-        if not self.platform.capabilities.triton:
-            return
-        started = time.monotonic()
-        launches = runner.attention.warm_up(runner.kv_cache[0], self.model_cfg.num_heads)
-        # An eager step verifies as many drafts as its rows hold.
-        steps = warm_eager(runner, range(k + 1), min(self.config.max_num_batched_tokens, self.max_model_len))
-        self.platform.synchronize()
-        JIT_WATCH.seal()
-        self.kernel_builds_at_ready = JIT_WATCH.num_compiles
-        self.log.info("kernels_warm", attention_variants=launches, eager_steps=steps,
-                      kernel_builds=self.kernel_builds_at_ready, seconds=round(time.monotonic() - started, 2))
+        builds = warm_kernels(runner, runner.kv_cache[0], self.platform, self.model_cfg.num_heads, k,
+                              min(self.config.max_num_batched_tokens, self.max_model_len))
+        if self.platform.capabilities.triton:
+            self.kernel_builds_at_ready = builds
 
     def ready_message(self) -> CoreReady:
         return CoreReady(platform=self.platform.name, dtype=str(self.dtype).removeprefix("torch."),

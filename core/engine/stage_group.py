@@ -1,11 +1,10 @@
-"""Which process-group backend and device a pipeline stage takes.
+"""Which device a pipeline stage takes, and which torch.distributed backend its links may use.
 
-A stage owns device LOCAL_RANK of its host where the host has a device per local stage; then
-its group is `cpu:gloo,<device>:<backend>`: token frames (host tensors) travel on gloo and the
-residual stream on the platform's backend (nccl, hccl), device to device. Where more stages
-than devices share a host (PP=2 on one GPU), the platform's backend cannot serve them: NCCL
-refuses two ranks on one device. Those stages run on gloo and stage the residual stream
-through host memory (a few KB per token), which is what sharing one device costs anyway.
+A stage owns device LOCAL_RANK of its host where the host has a device per local stage; then a
+transport built on torch.distributed may move tensors on the platform's backend (nccl, hccl),
+device to device. Where more stages than devices share a host (PP=2 on one GPU), the platform's
+backend cannot serve them (NCCL refuses two ranks on one device): their links get gloo, which
+stages tensors through host memory, unless the transport needs no backend (cuda_ipc).
 """
 
 from __future__ import annotations
@@ -17,10 +16,11 @@ from ..platform import Platform
 
 class StageGroup(msgspec.Struct, frozen=True):
     backend: str
-    """For torch.distributed.init_process_group."""
+    """A torch.distributed backend string for a group of these stages (`cpu:gloo,cuda:nccl`)."""
     device_index: int
     host_staged: bool
-    """The residual stream goes device -> host -> gloo -> host -> device."""
+    """The device backend cannot serve these stages: a link on torch.distributed uses gloo
+    (device -> host -> gloo -> host -> device)."""
 
 
 def plan_group(platform: Platform, local_rank: int, local_world: int) -> StageGroup:

@@ -21,6 +21,12 @@ class StageBootstrap(msgspec.Struct, frozen=True, kw_only=True):
     reports: str
     """Where each stage reports (ready, digests)."""
     threads: int = 0
+    transport: str
+    """The transport of every link (`stage_links.transport_name`), resolved once by the engine core."""
+    k: int = 0
+    """Drafts per row of a token frame (0 without a speculator)."""
+    blocks_per_request: int = 0
+    """Block-table width of a step (0: as wide as each step needs), as the engine core plans it."""
 
 
 class RunStep(msgspec.Struct, frozen=True, tag=True):

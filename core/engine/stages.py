@@ -1,10 +1,11 @@
 """The engine core's side of pipeline parallelism: starts one stage process per slice of the
 target's layers, hands each a StepFrame per step, and collects the last stage's TokenFrames.
 
-Stages join their torch.distributed group through env:// (MASTER_ADDR, MASTER_PORT, RANK,
-WORLD_SIZE), so the stage code is what `torchrun` would run. The core talks to them over
-ZeroMQ: a PUSH socket per stage for commands, one PULL for their reports, and the zmq transport
-plugin for the token frames. While it waits for a frame it watches the stage processes: one that
+Stages meet at an env:// rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) on
+`pipeline_host`, so the stage code is what `torchrun` would run, and link up through the
+configured transport (`stage_links`). The core talks to them over ZeroMQ: a PUSH socket per
+stage for commands, one PULL for their reports; the last stage's token frames come on a link of
+the configured transport that the core binds. While it waits for a frame it watches the stage processes: one that
 exits, or whose beats stop for HUNG_S, fails the step with EngineDeadError naming it, and
 `close` leaves no stage behind.
 """
@@ -13,38 +14,34 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, cast
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import msgspec
 import zmq
 
-from .. import log, registry
+from .. import log
 from ..config import EngineConfig
 from ..errors import EngineDeadError
 from ..kernel.frame import StepFrame, StepResult
 from ..kernel.kv_plan import KvPlan
 from ..kernel.token_frames import frame_meta, meta_digest, result_from_frame
+from ..platform import PlatformCapabilities
+from ..transport import TransportContext
 from ..wire.limits import engine_frame_limit
 from .check import Checked
+from .stage_links import free_port, open_link, transport_name
 from .stage_messages import HUNG_S, Digest, RunStep, StageBootstrap, StageReport, Stop
 
 POLL_S = 0.1
 """How often a wait for a frame looks at the stage processes (a dead one is seen within this)."""
 STOP_WAIT_S = 3.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class PendingFrame:
@@ -74,35 +71,44 @@ class Pipeline:
 
     graphs = None
 
-    def __init__(self, config: EngineConfig, checked: Checked, kv: KvPlan, k: int) -> None:
+    def __init__(self, config: EngineConfig, checked: Checked, kv: KvPlan, k: int, caps: PlatformCapabilities) -> None:
         self.log = log.get("pipeline")
         self.config = config
         n = config.pipeline_parallel_size
+        host = config.pipeline_host
+        self.transport = transport_name(config, caps)
         self.ctx = zmq.Context()
         self.commands = []
         for _ in range(n):
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.bind("tcp://127.0.0.1:*")
+            sock.bind(f"tcp://{host}:*")
             self.commands.append(sock)
         limit = engine_frame_limit(config)  # a larger frame from a stage drops its link (`wire.limits`)
         self.reports = self.ctx.socket(zmq.PULL)
         self.reports.setsockopt(zmq.LINGER, 0)
         self.reports.setsockopt(zmq.MAXMSGSIZE, limit)
-        self.reports.bind("tcp://127.0.0.1:*")
-        self.results: Any = cast(Any, registry.load("transport", "zmq"))("tcp://127.0.0.1:*", bind=True, ctx=self.ctx,
-                                                                         max_frame_bytes=limit)
+        self.reports.bind(f"tcp://{host}:*")
+        # The last stage's token frames: the core binds the link and names it in the bootstrap. A
+        # transport whose `open` waits for its peer opens on a thread while the stages start.
+        results = TransportContext(rank=-1, peer=n - 1, world=n, max_rows=config.max_num_seqs, max_k=k,
+                                   address=f"tcp://{host}:{free_port(host)}", bind=True, max_frame_bytes=limit,
+                                   timeout_s=config.startup_timeout_s)
+        opener = ThreadPoolExecutor(1, thread_name_prefix="speckernel-link")
+        opening = opener.submit(open_link, self.transport, results)
+        opener.shutdown(wait=False)
         boot = StageBootstrap(
             config=config, num_blocks=kv.num_blocks, max_model_len=kv.max_model_len,
             lookahead_slots=kv.lookahead_slots, draft_kv_bytes=kv.draft_kv_bytes,
             commands=[s.getsockopt_string(zmq.LAST_ENDPOINT) for s in self.commands],
-            results=self.results.address, reports=self.reports.getsockopt_string(zmq.LAST_ENDPOINT),
-            threads=max(1, (os.cpu_count() or 1) // n))
+            results=results.address, reports=self.reports.getsockopt_string(zmq.LAST_ENDPOINT),
+            threads=max(1, (os.cpu_count() or 1) // n), transport=self.transport, k=k,
+            blocks_per_request=kv.blocks_per_request(k))
         payload = msgspec.json.encode(boot)
-        port = config.pipeline_port or free_port()
+        port = config.pipeline_port or free_port(host)
         self.procs: list[subprocess.Popen[bytes]] = []
         for rank in range(n):
-            env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+            env = os.environ | {"MASTER_ADDR": host, "MASTER_PORT": str(port), "RANK": str(rank),
                                 "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n)}
             proc = subprocess.Popen([sys.executable, "-m", "speckernel.engine.stage_process"],
                                     stdin=subprocess.PIPE, env=env)
@@ -123,8 +129,10 @@ class Pipeline:
         self.hung = False
         self.last_beat: list[float] | None = None
         """Per stage, when it last said anything; None until every stage is ready."""
+        self.results: Any = None
         try:
             ready = self._reports(n, config.startup_timeout_s)
+            self.results = opening.result(config.startup_timeout_s)
         except BaseException:
             self.close()
             raise
@@ -245,5 +253,6 @@ class Pipeline:
             except subprocess.TimeoutExpired:
                 pass
         _kill(self.procs)
-        self.results.close()
+        if self.results is not None:
+            self.results.close()
         self.ctx.destroy(linger=0)

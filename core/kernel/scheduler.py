@@ -45,7 +45,8 @@ class Scheduler:
         """Structured output: what a grammar forces next is verified as drafts (`_forced`)."""
         self.pipeline = pipeline
         """Pipeline stages: several frames in flight whose output the first stage has not seen;
-        see `eligible`. Drafts always reach the host (the next frame carries them to every stage)."""
+        see `eligible`. Fixed-width drafts stay on the device there too: the last stage sends them
+        to the first, device to device, and the host gets their count."""
         self.async_scheduling = async_scheduling
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -219,8 +220,7 @@ class Scheduler:
             rows=rows,
             skip_drafts=self._skip_drafts(rows),
             host_drafts=self.spec is not None and (
-                self.pipeline or self.spec.variable_width
-                or any(self.requests[r.key].params.structured_output for r in rows)),
+                self.spec.variable_width or any(self.requests[r.key].params.structured_output for r in rows)),
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec is not None else 0,
         )
         self.next_step_id += 1

@@ -62,6 +62,9 @@ def result_from_frame(step: StepFrame, frame: TokenFrame) -> StepResult:
     expected = frame_meta(step, len(frame.req_ids), frame.drafts.shape[1])
     if not expected.same_meta(frame):
         raise FrameMismatchError(f"token frame for step {frame.step_id} does not match step {step.step_id}'s rows")
+    # Fixed-width drafts stayed on the device (the last stage sent them to the first): the host
+    # knows only their count, K for every row that sampled, unless the step skipped drafting.
+    on_device = step.num_speculative_tokens if not step.host_drafts and not frame.k0 else 0
     rows = []
     for i, sched in enumerate(step.rows):
         kind = int(frame.kinds[i])
@@ -76,7 +79,7 @@ def result_from_frame(step: StepFrame, frame: TokenFrame) -> StepResult:
             cut = int(np.argmax(drafts < 0)) if (drafts < 0).any() else len(drafts)
             next_ids = drafts[:cut].tolist() if step.host_drafts else None
             rows.append(RowResult(sched.key, sched.generation, frame.tokens[i, :n].tolist(), sched.num_drafts,
-                                  int(frame.accepted[i]), next_draft_ids=next_ids))
+                                  int(frame.accepted[i]), next_draft_ids=next_ids, num_next_drafts=on_device))
         else:
             raise FrameMismatchError(f"step {step.step_id}: row {i} is empty in its token frame")
     if (frame.kinds[len(step.rows):] != EMPTY).any():

@@ -183,6 +183,10 @@ class LlamaModel(nn.Module):
         batch-invariant mode: there a token's results may not depend on the step's size."""
         return self.triton_ops and self.small_batch and not self.batch_invariant and small_batch.runs_on(x)
 
+    def splits_residual(self, x: torch.Tensor) -> bool:
+        """Whether `forward_layers` carries a step x [T, H] as (h, residual), the fused path."""
+        return self.triton_ops and not self.runs_small(x)
+
     def use_batch_invariant_ops(self, enabled: bool = True) -> LlamaModel:
         """Run every linear (the LM head too), norm and activation batch-invariant
         (`speckernel.ops.invariant`); off by default. The fused path's add+norm, rope and
@@ -205,43 +209,51 @@ class LlamaModel(nn.Module):
         bad = [i for i in layers if not 0 <= i < len(self.layers)]
         if bad:
             raise IndexError(f"layers {bad} out of range: the model has {len(self.layers)}")
-        x = self.embed(input_ids)
-        captured: dict[int, torch.Tensor] = {}
-        if len(self.layers) and self.runs_small(x):
-            for i, layer in enumerate(self.layers):
-                assert isinstance(layer, DecoderLayer)
-                x = layer.forward_small(x, meta.positions, self.cos, self.sin, kv_cache[i], meta)
-                if i in layers:
-                    captured[i] = x
-            return fused_ops.rms_norm(x, self.norm.weight, self.norm.eps), captured
-        cos, sin = self.cos[meta.positions], self.sin[meta.positions]
-        if self.triton_ops and len(self.layers):
-            h, residual = x, None
-            for i, layer in enumerate(self.layers):
-                assert isinstance(layer, DecoderLayer)
-                h, residual = layer.forward_fused(h, residual, cos, sin, kv_cache[i], meta)
-                if i in layers:
-                    captured[i] = residual + h  # the stream after layer i, as x + mlp(...) below
-            return fused_ops.rms_norm(h, self.norm.weight, self.norm.eps, residual)[0], captured
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i], meta)
-            if i in layers:
-                captured[i] = x
-        return self.norm(x), captured
+        h, residual, captured = self.forward_layers(self.embed(input_ids), kv_cache, meta, 0, layers)
+        return self.final_norm(h, residual), captured
 
     def forward_layers(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, start: int,
-                       layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """A pipeline stage's share: the residual stream x through layers [start, start + len(kv_cache)),
-        with the stream after each of `layers` that falls in it. The plain (unfused) path, so the
-        stage boundary carries one tensor."""
-        cos, sin = self.cos[meta.positions], self.sin[meta.positions]
+                       layers: tuple[int, ...], residual: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, dict[int, torch.Tensor]]:
+        """The residual stream through layers [start, start + len(kv_cache)) (kv_cache holds those
+        layers' caches), with the stream after each of `layers` that falls in it. Returns
+        (h, residual, captured): the stream is h + residual on the fused path, which carries the
+        two apart (a pipeline stage hands both on, so a split model rounds as the whole one
+        does), h alone where residual is None. The path depends on the step's token count only,
+        so every stage of a step takes the one the whole model would."""
         captured: dict[int, torch.Tensor] = {}
-        for j in range(kv_cache.shape[0]):
-            layer = self.layers[start + j]
-            x = layer(x, cos, sin, kv_cache[j], meta)
+        count = kv_cache.shape[0]
+        if count and self.runs_small(x):
+            for j in range(count):
+                layer = self.layers[start + j]
+                assert isinstance(layer, DecoderLayer)
+                x = layer.forward_small(x, meta.positions, self.cos, self.sin, kv_cache[j], meta)
+                if start + j in layers:
+                    captured[start + j] = x
+            return x, None, captured
+        cos, sin = self.cos[meta.positions], self.sin[meta.positions]
+        if count and self.splits_residual(x):
+            h = x
+            for j in range(count):
+                layer = self.layers[start + j]
+                assert isinstance(layer, DecoderLayer)
+                h, residual = layer.forward_fused(h, residual, cos, sin, kv_cache[j], meta)
+                if start + j in layers:
+                    captured[start + j] = residual + h  # the stream after the layer, as x + mlp(...) below
+            return h, residual, captured
+        for j in range(count):
+            x = self.layers[start + j](x, cos, sin, kv_cache[j], meta)
             if start + j in layers:
                 captured[start + j] = x
-        return x, captured
+        return x, None, captured
+
+    def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The final norm of the stream `forward_layers` left, on the kernels of its path."""
+        if residual is not None:
+            return fused_ops.rms_norm(h, self.norm.weight, self.norm.eps, residual)[0]
+        if self.runs_small(h):
+            return fused_ops.rms_norm(h, self.norm.weight, self.norm.eps)
+        return self.norm(h)
 
     def keep_layers(self, start: int, end: int, embed: bool) -> LlamaModel:
         """Frees the weights a pipeline stage does not run: layers outside [start, end), and the

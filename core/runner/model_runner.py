@@ -61,9 +61,14 @@ def logprobs_of(values: list[list[float]], ids: list[list[int]], count: int, top
 class PendingStep:
     """A launched step: its RowResults once the device has run it."""
 
-    def __init__(self, finish: Callable[[], StepResult]) -> None:
+    def __init__(self, finish: Callable[[], StepResult], ready: Callable[[], bool] = lambda: True) -> None:
         self._finish = finish
+        self._ready = ready
         self._result: StepResult | None = None
+
+    def ready(self) -> bool:
+        """`result` would not wait for the device (asks it; never waits)."""
+        return self._result is not None or self._ready()
 
     def result(self) -> StepResult:
         if self._result is None:
@@ -87,6 +92,8 @@ class ModelRunner:
         # The plan buffer never moves under captured graphs.
         k = num_speculative_tokens
         tokens = max(max_num_tokens, num_slots * (k + 1))
+        self.max_tokens = tokens
+        """The most tokens a step (padded or not) holds."""
         attention.reserve(tokens, num_slots, STEP.int_width, 3 * tokens, STEP.float_width)
         # Room for the context, K drafts past it, and one spare column that catches padding;
         # one spare row takes what padding rows of a device graph write.
@@ -146,7 +153,7 @@ class ModelRunner:
             return StepResult(frame.step_id, [r for r in results if r is not None], k0=k0,
                               num_host_draft_copies=copies, speculator_error=spec_error)
 
-        return PendingStep(finish)
+        return PendingStep(finish, lambda: all(pending.ready() for _, pending in parts))
 
     def _run(self, frame: StepFrame, idx: list[int],
              results: list[RowResult | None]) -> list[tuple[list[int], PendingStep]]:
@@ -333,10 +340,11 @@ class ModelRunner:
     def _launch(self, frame: StepFrame) -> PendingStep:
         shape = self.step_shape(frame)
         bitmask = self.token_bitmask(frame, shape.verify_width)
-        padded = self.graphs.padded(shape) if self.graphs is not None and bitmask is None else None
+        padded = self.padded(frame, shape)
         meta = self.plan(frame, padded)
         self.drafting.before(frame)
         self.write_host_tokens(meta)
+        self.receive(frame)
         asked = [i for i, r in enumerate(frame.rows) if r.sampling is not None and r.sampling.logprobs >= 0]
         if padded is not None:
             assert self.graphs is not None
@@ -348,7 +356,18 @@ class ModelRunner:
             self.pool.completed(r.slot, r.generation, frame.step_id)
         copy = self._copy(frame, out)
         outcome = self.drafting.after(frame, meta, out, copy, self.isolate_speculator)
-        return PendingStep(lambda: self.finish(frame, copy, outcome, asked))
+        return PendingStep(lambda: self.finish(frame, copy, outcome, asked), copy.ready)
+
+    def padded(self, frame: StepFrame, shape: StepShape) -> StepShape | None:
+        """The captured shape the step replays, or None (eager: no graphs, none of its size, or
+        structured output, whose masks graphs do not read)."""
+        if self.graphs is None or any(r.token_bitmask for r in frame.rows):
+            return None
+        return self.graphs.padded(shape)
+
+    def receive(self, frame: StepFrame) -> None:
+        """What the step's device work reads beyond the plan and the token buffer arrives here, in
+        stream order, right before it runs (a pipeline stage's residual stream); nothing here."""
 
     def _copy(self, frame: StepFrame, out: DeviceOutputs) -> StepCopy:
         """The step's copy to the host, with the drafts proposed inside it where the host must see

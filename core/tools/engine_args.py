@@ -73,7 +73,12 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-adaptive-speculation", dest="adaptive_speculation", action="store_const", const=False,
                    help="always draft (no governor)")
     p.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
-                   help="split the target's layers over N stage processes (torch.distributed, env://)")
+                   help="split the target's layers over N stage processes (they meet through an env:// rendezvous)")
+    p.add_argument("--pipeline-transport", default=None, metavar="NAME",
+                   help="transport of the links between pipeline stages (an installed transport plugin's "
+                        "name; default: the first installed of the platform's preferred ones)")
+    p.add_argument("--pipeline-host", default="127.0.0.1", metavar="ADDRESS",
+                   help="address the pipeline stages and the engine core meet on")
     p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                    help="N engine-core ranks behind one frontend, requests balanced by load")
     p.add_argument("--enforce-eager", action="store_true",
@@ -213,6 +218,7 @@ def config_from(args: argparse.Namespace) -> EngineConfig:
                         adaptive_speculation=args.adaptive_speculation,
                         speculator_options=parse_options(args.speculator_option),
                         pipeline_parallel_size=args.pipeline_parallel_size,
+                        pipeline_transport=args.pipeline_transport, pipeline_host=args.pipeline_host,
                         data_parallel_size=args.data_parallel_size,
                         allow_special_tokens=args.allow_special_tokens)
 

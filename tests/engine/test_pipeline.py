@@ -60,6 +60,8 @@ CASES = [
     pytest.param(4, "eagle3", False, id="pp4-eagle3-sync"),
     pytest.param(2, "ngram", True, id="pp2-ngram-async"),
     pytest.param(2, "dflash", False, id="pp2-dflash-sync"),
+    pytest.param(2, "mtp", True, {"pipeline_transport": "torch_dist"}, id="pp2-mtp-async-torch_dist"),
+    pytest.param(4, None, True, {"pipeline_transport": "torch_dist"}, id="pp4-plain-async-torch_dist"),
 ]
 _reference: dict[Any, Any] = {}
 
@@ -71,11 +73,13 @@ def reference(speculator: str | None, async_scheduling: bool, prompts: list[list
     return _reference[key]
 
 
-@pytest.mark.parametrize(("pp", "speculator", "async_scheduling"), CASES)
+@pytest.mark.parametrize(("pp", "speculator", "async_scheduling", "extra"),
+                         [p if len(p.values) == 4 else pytest.param(*p.values, {}, id=p.id) for p in CASES])
 def test_pipeline_matches_single_stage(pp: int, speculator: str | None, async_scheduling: bool,
-                                       prompts: list[list[int]]) -> None:
+                                       extra: dict[str, Any], prompts: list[list[int]]) -> None:
+    """On the platform's transport (zmq on the CPU) and on one named by configuration."""
     want, want_spec = reference(speculator, async_scheduling, prompts)
-    got, spec, seen, _ = outputs(config(pp, speculator, async_scheduling=async_scheduling), prompts)
+    got, spec, seen, _ = outputs(config(pp, speculator, async_scheduling=async_scheduling, **extra), prompts)
     assert got == want
     if speculator is not None:
         assert spec["num_draft_tokens"] > 0, "the speculator never drafted: the test proves nothing"

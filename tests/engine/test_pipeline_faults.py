@@ -12,11 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 from speckernel import AsyncEngine, EngineConfig, EngineDeadError, SamplingParams
 from speckernel.engine.check import check, check_pipeline
-from speckernel.errors import InvalidInputError
+from speckernel.engine.stage_links import transport_name
+from speckernel.errors import InvalidInputError, UnknownPluginError
+from speckernel.platforms.cpu import CpuPlatform
 from speckernel.plugin import SpeculatorCapabilities
 from tests.conftest import exited
 
@@ -103,3 +106,19 @@ def test_bad_pipeline_values_fail_before_weights() -> None:
         port = s.getsockname()[1]
         with pytest.raises(InvalidInputError, match=f"pipeline_port {port}"):
             check(EngineConfig(platform="cpu", pipeline_parallel_size=2, pipeline_port=port))
+    with pytest.raises(UnknownPluginError, match=r"unknown transport 'carrier-pigeon'; available: .*torch_dist"):
+        check(EngineConfig(platform="cpu", pipeline_parallel_size=2, pipeline_transport="carrier-pigeon"))
+
+
+def test_the_transport_is_configurations_else_the_platforms_first_installed() -> None:
+    """The engine names no transport: configuration does, or the platform's preference does,
+    skipping names not installed; one that links a single process only cannot carry stages."""
+    cpu = CpuPlatform.capabilities
+    assert transport_name(EngineConfig(), cpu) == cpu.preferred_transports[0]
+    assert transport_name(EngineConfig(pipeline_transport="torch_dist"), cpu) == "torch_dist"
+    prefers = msgspec.structs.replace(cpu, preferred_transports=("not-installed", "torch_dist"))
+    assert transport_name(EngineConfig(), prefers) == "torch_dist"
+    with pytest.raises(InvalidInputError, match=r"none of the transports .* installed"):
+        transport_name(EngineConfig(), msgspec.structs.replace(cpu, preferred_transports=("not-installed",)))
+    with pytest.raises(InvalidInputError, match="one process only"):
+        transport_name(EngineConfig(pipeline_transport="inproc"), cpu)

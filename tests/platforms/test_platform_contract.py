@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from speckernel import registry
 from speckernel.attention import AttentionMetadata
 from speckernel.model_config import ModelConfig
 from speckernel.models.llama import LlamaModel
@@ -266,7 +267,16 @@ def protocol_members() -> set[str]:
 def test_protocol_is_what_the_kernel_uses() -> None:
     assert protocol_members() == KERNEL_API
     assert set(PlatformCapabilities.__struct_fields__) == {
-        "device_type", "default_dtype", "dist_backend", "supports_graphs", "triton", "priority"}
+        "device_type", "default_dtype", "dist_backend", "supports_graphs", "triton", "priority",
+        "preferred_transports"}
+
+
+@pytest.mark.parametrize("cls", PLATFORMS, ids=lambda c: c.name)
+def test_preferred_transports_are_installed_and_cross_processes(cls: type) -> None:
+    """What a platform prefers carries stages (processes) and ships with speckernel."""
+    assert cls.capabilities.preferred_transports
+    for name in cls.capabilities.preferred_transports:
+        assert registry.load("transport", name).capabilities.cross_process, name
 
 
 @pytest.mark.parametrize("cls", PLATFORMS, ids=lambda c: c.name)

@@ -3,7 +3,6 @@ package installed from tests/example_speculator and found through its entry poin
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from speckernel.conformance import check_speculator
+from tests.conftest import install_package
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(__name__)]  # one worker builds the module's fixtures
 EXAMPLE = Path(__file__).parents[1] / "example_speculator"
@@ -27,11 +27,7 @@ def test_builtins_pass_conformance(name: str) -> None:
 
 @pytest.fixture(scope="module")
 def example_site(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
-    target = tmp_path_factory.mktemp("site")
-    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *isolation,
-                    "--target", str(target), str(EXAMPLE)], check=True, timeout=600)
-    return target
+    return install_package(EXAMPLE, tmp_path_factory.mktemp("site"))
 
 
 def run_with(site: Path, code: str) -> subprocess.CompletedProcess[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
+import torch
 
 from speckernel.sampling_params import SamplingParams
 from speckernel.transport import TokenFrame
@@ -51,14 +52,13 @@ def frame_of(step: int) -> TokenFrame:
 
 
 def check_transport(a, b) -> None:  # type: ignore[no-untyped-def]
-    hidden = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
-    a.send_hidden(7, hidden)
+    hidden = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    a.send_tensor(7, hidden)
     a.send_frame(frame_of(7))
     a.send_frame(frame_of(8))
-    got = b.recv_frame(timeout_s=2)  # frames and hidden states are demultiplexed
+    got = b.recv_frame(timeout_s=2)  # frames and tensors are demultiplexed
     assert got.step_id == 7 and got.tokens[0, :3].tolist() == [5, 6, 7] and got.tokens.shape == (64, 5)
-    step, h = b.recv_hidden(timeout_s=2)
-    assert step == 7 and np.array_equal(h, hidden)
+    assert torch.equal(b.recv_tensor(7, (16, 64), torch.float32, timeout_s=2), hidden)
     assert b.recv_frame(timeout_s=2).step_id == 8
 
 
