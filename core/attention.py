@@ -70,6 +70,9 @@ class AttentionMetadata:
     """The backend that made this metadata and runs attention from it."""
     row_extra: torch.Tensor | None = None
     """[R, E] int64 numbers the caller rode along on the same copy (the runner's per-row plan)."""
+    row_floats: torch.Tensor | None = None
+    """[F, R] float32 numbers the caller rode along on the same copy, one row per field (the
+    plan's float columns, each contiguous)."""
     tail: torch.Tensor | None = None
     """[N] int64 numbers the caller rode along after everything else (host-known tokens)."""
     groups: list[AttentionGroup] = field(default_factory=list)
@@ -92,16 +95,17 @@ class AttentionBackend(Protocol):
     """The device buffer every metadata tensor is a view of; graphs replay on it, so it must not
     move once they are captured."""
 
-    def reserve(self, num_tokens: int, num_rows: int, row_fields: int, tail: int) -> None:
+    def reserve(self, num_tokens: int, num_rows: int, row_fields: int, tail: int, row_floats: int = 0) -> None:
         """Grows `buffer` now to fit any step up to these sizes, so it never moves later."""
         ...
 
     def prepare(self, chunks: Sequence[Chunk], *, num_tokens: int = 0, num_rows: int = 0,
-                row_extra: np.ndarray | None = None, tail: np.ndarray | None = None,
-                max_query_len: int = 0) -> AttentionMetadata:
+                row_extra: np.ndarray | None = None, row_floats: np.ndarray | None = None,
+                tail: np.ndarray | None = None, max_query_len: int = 0) -> AttentionMetadata:
         """chunks: (start_pos, num_new_tokens, block_ids) per sequence, in batch order;
         num_tokens / num_rows / max_query_len pad the step to those sizes (device graphs);
-        row_extra [rows, E] and tail [N] ride along on the same host-to-device copy."""
+        row_extra [rows, E] int64, row_floats [F, rows] float32 and tail [N] int64 ride along on
+        the same host-to-device copy."""
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,

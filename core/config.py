@@ -87,6 +87,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Where Triton runs, steps of at most 16 tokens (decode, verification) run each projection
     fused with its norm, rope, activation or residual add (`speckernel.ops.small_batch`); off:
     library GEMMs between the fused elementwise kernels (benchmarks compare the two)."""
+    grammar_drafts: bool = True
+    """Structured output: the tokens a request's grammar forces next (a fixed key, a closing
+    brace) are verified as drafts, with or without a speculator: lossless, since the target
+    verifies them, and counted apart (`num_forced_drafts`). Off: `--no-grammar-drafts`."""
     force_host_drafts: bool = False
     """Copy draft IDs to the host after every drafting step even when the speculator's fixed
     width makes it unnecessary (benchmarks measure what avoiding the copy saves)."""

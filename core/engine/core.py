@@ -7,6 +7,7 @@ deltas go out. The same object serves in-process embedding and its own process.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -54,17 +55,22 @@ from ..wire.messages import (
     check_wire,
 )
 from .check import Checked, check, check_pipeline
-from .data_parallel import DataParallelGroup
+from .data_parallel import IDLE_WAKE_S, DataParallelGroup, Vote, votes_to_skip
 from .fast_path import capture_graphs, use_kernels, warm_kernels
 from .heap import frozen_while_serving
 from .runner import PendingResult, Runner
 from .speculation import Speculation, build_speculator, check_speculator
 from .stages import Pipeline
 
-IDLE_VOTE_S = 0.05
 SPECULATOR_FAILURE_LIMIT = 8
 """Consecutive steps whose speculator pass raised, after which the engine serves without it."""
-"""Data parallelism with no work on any rank: how long a rank waits for a message between votes."""
+DP_VOTES_KEPT = 4096
+"""A data-parallel rank's latest votes kept for inspection (tests); its counters count them all."""
+DEVICE_SETUP = threading.Lock()
+"""Held while a core loads its weights, captures its graphs and warms its kernels. Cores built at
+once in one process (in-process data-parallel ranks) would otherwise capture while another
+allocates or synchronizes on the same device, which breaks the capture (CUDA's global capture
+mode): the engines then ran every step eagerly."""
 
 
 class InFlight(NamedTuple):
@@ -90,46 +96,49 @@ class EngineCore:
         spec = self._check_speculator(checked)
         k = config.num_speculative_tokens if spec is not None else 0
         caps = spec.caps if spec is not None else None
-        kv = plan_kv_cache(
-            config, context=checked.max_model_len,
-            target_bytes_per_block=kv_bytes_per_block(self.model_cfg, config.block_size, self.dtype),
-            lookahead_slots=lookahead_slots(caps, k),
-            draft_kv_bytes_per_token=spec.cls.draft_kv_bytes_per_token(spec.ctx) if spec is not None else 0,
-            # Data-parallel ranks on one host share its device: each takes its share of what is
-            # free (they start at once, so each would otherwise plan on memory another takes).
-            budget_bytes=lambda: self.platform.kv_budget_bytes() // config.data_parallel_size)
-        self.kv = kv
-        self.max_model_len = kv.max_model_len
-        attention = self.platform.attention_backend(config.block_size, config.max_num_batched_tokens,
-                                                    max_rows=config.max_num_seqs + 1,
-                                                    max_blocks=kv.blocks_per_request(k),
-                                                    batch_invariant=config.batch_invariant)
-        self.drafts_in_step = spec is not None and drafting_kind(spec.cls) == "in_step"
-        """The speculator drafts inside the step (its pass is in the step's graphs): an `InStepSpeculator`."""
-        policy = spec_policy(caps, attention, config, in_step=self.drafts_in_step)
-        pipeline = config.pipeline_parallel_size > 1
-        self.speculator: Speculator | None = None
-        self.runner: Runner
-        if pipeline:
-            # The stages hold the weights, the KV and the drafter; the core keeps the requests.
-            if policy is not None:  # the first stage learns a step's drafts from its frame, never ahead of it
-                policy = msgspec.structs.replace(policy, run_ahead=False)
-            self.runner = Pipeline(config, checked, kv, k, self.platform.capabilities)
-        else:
-            self.runner = self._local_runner(checked, spec, kv, k, attention, policy)
-        self.scheduler = Scheduler(BlockManager(kv.num_blocks, config.block_size),
-                                   config.max_num_seqs, config.max_num_batched_tokens, policy,
-                                   async_scheduling=config.async_scheduling, pipeline=pipeline,
-                                   prompt_tokens_apart=self._prompt_tokens_apart(),
-                                   prompt_steps_per_decode=config.prompt_steps_per_decode,
-                                   prompt_batch=self._prompt_batch())
-        self.ledger = Ledger(self.scheduler)
-        self.governor = self._governor(caps, k)
-        if self.governor is not None:
-            self.scheduler.draft_gate = self.governor.allow
+        with DEVICE_SETUP:  # the device work of start-up, one core at a time per process
+            kv = plan_kv_cache(
+                config, context=checked.max_model_len,
+                target_bytes_per_block=kv_bytes_per_block(self.model_cfg, config.block_size, self.dtype),
+                lookahead_slots=lookahead_slots(caps, k),
+                draft_kv_bytes_per_token=spec.cls.draft_kv_bytes_per_token(spec.ctx) if spec is not None else 0,
+                # Data-parallel ranks on one host share its device: each takes its share of what is
+                # free (rank processes start at once, so each would otherwise plan on memory
+                # another takes).
+                budget_bytes=lambda: self.platform.kv_budget_bytes() // config.data_parallel_size)
+            self.kv = kv
+            self.max_model_len = kv.max_model_len
+            attention = self.platform.attention_backend(config.block_size, config.max_num_batched_tokens,
+                                                        max_rows=config.max_num_seqs + 1,
+                                                        max_blocks=kv.blocks_per_request(k),
+                                                        batch_invariant=config.batch_invariant)
+            self.drafts_in_step = spec is not None and drafting_kind(spec.cls) == "in_step"
+            """The speculator drafts inside the step (its pass is in the step's graphs): an `InStepSpeculator`."""
+            policy = spec_policy(caps, attention, config, in_step=self.drafts_in_step)
+            pipeline = config.pipeline_parallel_size > 1
+            self.speculator: Speculator | None = None
+            self.runner: Runner
+            if pipeline:
+                # The stages hold the weights, the KV and the drafter; the core keeps the requests.
+                if policy is not None:  # the first stage learns a step's drafts from its frame, never ahead of it
+                    policy = msgspec.structs.replace(policy, run_ahead=False)
+                self.runner = Pipeline(config, checked, kv, k, self.platform.capabilities)
+            else:
+                self.runner = self._local_runner(checked, spec, kv, k, attention, policy)
+            self.scheduler = Scheduler(BlockManager(kv.num_blocks, config.block_size),
+                                       config.max_num_seqs, config.max_num_batched_tokens, policy,
+                                       async_scheduling=config.async_scheduling, pipeline=pipeline,
+                                       prompt_tokens_apart=self._prompt_tokens_apart(),
+                                       prompt_steps_per_decode=config.prompt_steps_per_decode,
+                                       prompt_batch=self._prompt_batch(), grammar_drafts=config.grammar_drafts)
+            self.ledger = Ledger(self.scheduler)
+            self.governor = self._governor(caps, k)  # times the graphs: on the device too
+            if self.governor is not None:
+                self.scheduler.draft_gate = self.governor.allow
         self.dp: DataParallelGroup | None = None
-        self.dp_votes: list[tuple[bool, bool]] = []
-        """Per step of a data-parallel rank: (this rank could skip drafts, the ranks agreed to)."""
+        self.dp_votes: deque[Vote] = deque(maxlen=DP_VOTES_KEPT)
+        """The latest steps of a data-parallel rank: dummy or not, its K=0 vote, the agreement."""
+        self.num_dp_k0_agreed = 0
         if config.data_parallel_size > 1:
             self.dp = DataParallelGroup(config.data_parallel_rank, config.data_parallel_size,
                                         config.data_parallel_port, join_timeout_s=config.startup_timeout_s)
@@ -337,16 +346,15 @@ class EngineCore:
         }
 
     def _parallel_stats(self) -> dict[str, Any]:
-        """Per stage: the seconds it ran steps (the rest were bubbles); per rank: dummy steps."""
+        """Per stage: the seconds it ran steps (the rest were bubbles); per data-parallel rank: its
+        steps, dummy steps, padding it skipped, and the seconds of its turns and of its votes."""
         found: dict[str, Any] = {}
         if isinstance(self.runner, Pipeline):
             reports, _ = self.runner.digests()
             found["pipeline"] = {"stages": len(reports), "busy_s": [r.busy_s for r in reports],
                                  "num_steps": [r.num_steps for r in reports]}
         if self.dp is not None:
-            found["data_parallel"] = {"rank": self.dp.rank, "size": self.dp.size,
-                                      "num_dummy_steps": self.dp.num_dummy_steps,
-                                      "num_k0_agreed": sum(agreed for _, agreed in self.dp_votes)}
+            found["data_parallel"] = self.dp.stats() | {"num_k0_agreed": self.num_dp_k0_agreed}
         return found
 
     # --- stepping ---------------------------------------------------------------------------
@@ -495,34 +503,63 @@ class EngineCore:
             self.close()
 
     async def _run_data_parallel(self, emit: Callable[[CoreMessage], Awaitable[None]], dp: DataParallelGroup) -> None:
-        """Lockstep with the other ranks: each turn schedules a frame (or none: a dummy step),
-        joins the one all-reduce, runs the frame with the agreed K=0 flag, applies it. With no
-        work anywhere the ranks wait a little for messages, then vote again; a rank told to shut
-        down makes them all stop at the same turn."""
-        while True:
-            await self._answer_inbox(emit)
-            frame = self.scheduler.schedule() if self.running else None
-            can_skip = frame is None or frame.skip_drafts or self.scheduler.spec is None
-            agreed = await anyio.to_thread.run_sync(
-                dp.agree, len(frame.rows) if frame is not None else 0, not can_skip,
-                frame is not None or bool(self.scheduler.requests), not self.running)
-            if agreed.stopping:
-                return
-            self.dp_votes.append((can_skip, agreed.skip_drafts))
-            if frame is not None:
-                if self.scheduler.spec is not None and frame.skip_drafts and not agreed.skip_drafts:
-                    frame = msgspec.structs.replace(frame, skip_drafts=False)  # another rank drafts: so does this
-                self.ledger.submit(frame)
-                started = time.perf_counter()
-                result = await anyio.to_thread.run_sync(self.execute, frame)
-                deltas = self._apply(result, frame, started)
-                if deltas:
-                    await emit(CoreOutputs(deltas))
-            elif agreed.any_work:
-                dp.num_dummy_steps += 1  # nothing here; the step is the vote (graphs would pad a dummy batch)
-            else:
-                with anyio.move_on_after(IDLE_VOTE_S):
-                    await self._idle()
+        """Lockstep with the other ranks, overlapped as the single loop is: each turn schedules a
+        frame (or none: a dummy step), joins the one all-reduce, launches the frame with the
+        agreed K=0 flag on the runner thread, and waits for the oldest frame only once
+        `pipeline_depth` are in flight. At depth 2 the next frame is scheduled and voted on while
+        the device runs the one before. With no work anywhere the ranks idle until a message
+        reaches any of them; a rank told to shut down makes them all stop at the same turn."""
+        depth = self.pipeline_depth()
+        in_flight: deque[InFlight] = deque()
+        runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speckernel-runner")
+        try:
+            while True:
+                await self._answer_inbox(emit)
+                if self.compiling and (refused := self.admit_compiled()):
+                    await emit(CoreOutputs(refused))
+                frame = self.scheduler.schedule() if self.running and len(in_flight) < depth else None
+                skip = votes_to_skip(frame)
+                has_work = frame is not None or bool(in_flight) or bool(self.scheduler.requests)
+                agreed = await anyio.to_thread.run_sync(
+                    dp.agree, len(frame.rows) if frame is not None else 0, not skip, has_work, not self.running)
+                if agreed.stopping:
+                    return
+                self.dp_votes.append(Vote(frame is None, skip, agreed.skip_drafts))
+                self.num_dp_k0_agreed += agreed.skip_drafts
+                if frame is not None:
+                    if not agreed.skip_drafts:
+                        frame = self.scheduler.draft_anyway(frame)  # a peer drafts this step: so does this rank
+                    self.ledger.submit(frame)
+                    in_flight.append(InFlight(frame, time.perf_counter(), runner.submit(self.runner.launch, frame)))
+                elif agreed.any_work:
+                    dp.num_dummy_steps += 1  # nothing to launch here; the step is the vote
+                if in_flight and (frame is None or len(in_flight) >= depth):
+                    oldest = in_flight.popleft()
+                    result = await anyio.to_thread.run_sync(_finish, oldest.launched)
+                    deltas = self._apply(result, oldest.frame, oldest.started)
+                    if deltas:
+                        await emit(CoreOutputs(deltas))
+                elif not in_flight and not agreed.any_work:
+                    await self._idle_data_parallel(dp)
+        finally:
+            runner.shutdown(wait=True, cancel_futures=True)
+            self.grammars.close()
+
+    async def _idle_data_parallel(self, dp: DataParallelGroup) -> None:
+        """No rank has work: waits until a message reaches this rank or any other (a peer that
+        gets one wakes the rest through the store), or IDLE_WAKE_S passes; then the ranks vote."""
+        key = dp.wake_key()
+        async with anyio.create_task_group() as tg:
+            async def mine() -> None:
+                await self._idle()
+                await anyio.to_thread.run_sync(dp.wake, key)  # ends every rank's wait, this one's too
+
+            async def theirs() -> None:
+                await anyio.to_thread.run_sync(dp.wait_for_wake, key, IDLE_WAKE_S)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(mine)
+            tg.start_soon(theirs)
 
     def pipeline_depth(self) -> int:
         """Frames in flight at once: 2 with async scheduling, where requests can run ahead. A

@@ -45,7 +45,7 @@ from ..plugin import (
     drafts_in_step,
 )
 from ..runner.host_copy import to_device
-from ..runner.step_plan import DRAFTER, Col
+from ..runner.step_plan import DRAFTER, Col, HostPlan
 from ..wire.drafter import HIDDEN_CARRIERS, Describe, Free, Hello, Ingest, Propose, ServerTiming, fingerprint
 from .check import parse_options
 from .drafter_steps import Key, PaddedSteps
@@ -281,7 +281,7 @@ class DrafterHost:
         pos = np.concatenate([np.arange(r.tokens_from, r.tokens_from + r.num_new_tokens) for r in msg.rows])
         return np.concatenate([slots, pos, np.asarray(msg.tokens, np.int64)])
 
-    def _rows(self, msg: Ingest) -> np.ndarray:
+    def _rows(self, msg: Ingest) -> HostPlan:
         """The step's plan (`step_plan.DRAFTER`)."""
         plan = DRAFTER.empty(len(msg.rows))
         for col, values in ((Col.SLOT, [r.slot for r in msg.rows]), (Col.ACCEPTED, [r.accepted for r in msg.rows]),
@@ -329,7 +329,7 @@ class DrafterHost:
         hidden = {layer: h.to(self.dtype) for layer, h in zip(caps.target_hidden_layers, on_device, strict=True)}
         tables = [served.tables[r.slot] for r in rows]
         meta = served.attention.prepare([(r.start_pos, r.num_tokens, tables[i]) for i, r in enumerate(rows)])
-        plan = to_device(self._rows(msg), device)
+        plan = self._rows(msg).to(device)
         query_start = np.concatenate([[0], np.cumsum([r.num_tokens for r in rows])]).tolist()
         states = DeviceStates(
             tokens=served.tokens, slot_index=DRAFTER.of(plan, Col.SLOT).contiguous(), positions=meta.positions,

@@ -28,7 +28,7 @@ from ..attention import AttentionBackend, AttentionMetadata, Chunk
 from ..platform import DeviceGraph, Platform
 from ..plugin import DeviceStates, InStepSpeculator, TargetModel
 from ..runner.step_graphs import row_buckets
-from ..runner.step_plan import DRAFTER, Col
+from ..runner.step_plan import DRAFTER, Col, HostPlan
 
 Key = tuple[int, int, int]
 """(rows, query tokens per row, drafts proposed; 0: the sync pass)."""
@@ -59,7 +59,7 @@ class PaddedSteps:
         widths = tuple(sorted({1, k + 1}))
         max_rows = max(1, num_slots - 1)
         max_tokens = max_rows * widths[-1]
-        attention.reserve(max_tokens, max_rows, DRAFTER.width, 3 * max_tokens)
+        attention.reserve(max_tokens, max_rows, DRAFTER.int_width, 3 * max_tokens)
         hidden = {layer: torch.zeros(max_tokens, hidden_size, dtype=dtype, device=tokens.device) for layer in layers}
         return cls(speculator, attention, tokens, hidden, target, num_slots - 1, max_rows, widths)
 
@@ -71,14 +71,14 @@ class PaddedSteps:
         rows = next(b for b in row_buckets(self.max_rows) if b >= len(num_tokens))
         return rows, q, k
 
-    def plan(self, key: Key, chunks: Sequence[Chunk], rows: np.ndarray, tail: np.ndarray) -> AttentionMetadata:
-        """rows [R, DRAFTER.width] of the real rows; padding rows follow at the spare slot."""
+    def plan(self, key: Key, chunks: Sequence[Chunk], rows: HostPlan, tail: np.ndarray) -> AttentionMetadata:
+        """rows: the real rows' plan (`DRAFTER`); padding rows follow at the spare slot."""
         r, q, _ = key
-        extra = DRAFTER.empty(r)
-        DRAFTER.put(extra, Col.SLOT, self.spare)
-        extra[: len(rows)] = rows
-        return self.attention.prepare(chunks, num_tokens=r * q, num_rows=r, row_extra=extra, tail=tail,
-                                      max_query_len=q)
+        plan = DRAFTER.empty(r)
+        DRAFTER.put(plan, Col.SLOT, self.spare)
+        plan.overwrite(rows)
+        return self.attention.prepare(chunks, num_tokens=r * q, num_rows=r, row_extra=plan.ints,
+                                      row_floats=plan.floats, tail=tail, max_query_len=q)
 
     def run(self, key: Key, meta: AttentionMetadata) -> torch.Tensor | None:
         """The pass at this key: replayed where captured, else eagerly on the same buffers."""
@@ -90,8 +90,7 @@ class PaddedSteps:
 
     def _pass(self, key: Key, meta: AttentionMetadata) -> torch.Tensor | None:
         r, q, k = key
-        assert meta.row_extra is not None
-        extra = meta.row_extra
+        extra = DRAFTER.on_device(meta)
         states = DeviceStates(
             tokens=self.tokens, slot_index=DRAFTER.of(extra, Col.SLOT).contiguous(), positions=meta.positions,
             accepted=DRAFTER.of(extra, Col.ACCEPTED).contiguous(), seq_lens=DRAFTER.of(extra, Col.SEQ_LEN).contiguous(),

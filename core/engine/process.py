@@ -130,6 +130,12 @@ class CoreProcess:
             # torch loads here, in the core process alone: the frontend imports this module too.
             from .core import EngineCore
 
+            if self.boot.config.data_parallel_size > 1:  # the ranks share this host's CPUs
+                import torch
+
+                from .data_parallel import rank_threads
+
+                torch.set_num_threads(rank_threads(self.boot.config.data_parallel_size))
             core = EngineCore(self.boot.config)
         except Exception as e:
             return self._finish(self._refused(e, beats, started))

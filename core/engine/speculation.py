@@ -65,3 +65,17 @@ def build_speculator(config: EngineConfig, spec: Speculation, platform: Platform
         num_slots=config.max_num_seqs + 1, fused_kernels=platform.capabilities.triton,
         host_gate=platform.host_gate, pin_memory=platform.device.type != "cpu")
     return spec.cls(ctx)
+
+
+def held_bytes(speculator: Speculator | None) -> int:
+    """Bytes of the tensors a built speculator holds as attributes (its modules' weights and
+    buffers, its draft KV), each storage once: what a stage reports of its drafter."""
+    storages: dict[int, int] = {}
+    for value in getattr(speculator, "__dict__", {}).values():
+        if isinstance(value, torch.nn.Module):
+            tensors = [*value.parameters(), *value.buffers()]
+        else:
+            tensors = [value] if isinstance(value, torch.Tensor) else []
+        for t in tensors:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())

@@ -55,6 +55,10 @@ class StageReport(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds this stage spent running steps (the rest of its time it waited: the bubbles)."""
     beat: bool = False
     """A liveness beat (every BEAT_S from a thread of its own), not an answer to a command."""
+    speculator: str = ""
+    """The class of the speculator this stage built ("": none; drafters live on the last stage)."""
+    drafter_bytes: int = 0
+    """Bytes of the tensors that speculator holds (its weights, buffers and draft KV)."""
     num_sync_checked: int = 0
     """Decode steps this stage ran under the device's sync check (`stage_process.SYNC_DEBUG_ENV`)."""
     prefill_tokens: list[int] = msgspec.field(default_factory=list)

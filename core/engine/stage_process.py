@@ -40,7 +40,7 @@ from ..transport import TokenFrame, Transport, TransportContext
 from ..wire.limits import engine_frame_limit
 from .check import check
 from .fast_path import capture_graphs, use_kernels, warm_kernels
-from .speculation import build_speculator, check_speculator
+from .speculation import build_speculator, check_speculator, held_bytes
 from .stage_group import StageGroup, plan_group
 from .stage_links import RENDEZVOUS_TIMEOUT_S, open_link, open_stage_links
 from .stage_messages import BEAT_S, Digest, StageBootstrap, StageCommand, StageReport, Stop
@@ -121,6 +121,8 @@ class Stage:
         if spec is not None and self.slice.last:  # drafters live on the last stage only
             speculator = build_speculator(config, spec, platform, boot.max_model_len, boot.num_blocks,
                                           boot.draft_kv_bytes)
+        self.speculator = type(speculator).__name__ if speculator is not None else ""
+        self.drafter_bytes = held_bytes(speculator)
         self.k = k
         attention = platform.attention_backend(config.block_size, config.max_num_batched_tokens,
                                                max_rows=config.max_num_seqs + 1,
@@ -184,7 +186,8 @@ class Stage:
     def report(self, ready: bool = False) -> StageReport:
         graphs = self.runner.graphs if ready else None
         return StageReport(rank=self.rank, ready=ready, num_steps=self.num_steps, meta_digest=self.digest.hexdigest(),
-                           busy_s=self.busy_s, num_sync_checked=self.num_sync_checked,
+                           busy_s=self.busy_s, speculator=self.speculator, drafter_bytes=self.drafter_bytes,
+                           num_sync_checked=self.num_sync_checked,
                            prefill_tokens=list(graphs.prefill) if graphs is not None else [],
                            prompt_batches=list(graphs.prompt_batches) if graphs is not None else [])
 

@@ -55,6 +55,10 @@ class ScheduledRow(msgspec.Struct, frozen=True, array_like=True):
     token_bitmask: bytes = b""
     """Structured output: num_drafts + 1 rows of int32 words (bit v % 32 of word v // 32 allows
     token v), row j what the grammar allows after the first j drafts; empty: no constraint."""
+    num_forced: int = 0
+    """Structured output: the first num_forced of draft_token_ids are tokens the grammar forces
+    (its only continuation), not a speculator's: nothing wrote them on the device, so the runner
+    writes them with the host tokens."""
 
     @property
     def num_drafts(self) -> int:

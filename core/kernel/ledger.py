@@ -72,8 +72,8 @@ class Ledger:
         if row.num_accepted > row.num_drafts or row.num_drafts != sched_row.num_drafts:
             raise LedgerError(f"step {step_id}: {row.key} accepted more drafts than it verified")
         drafted = row.num_drafts if row.num_drafted is None else row.num_drafted  # padding is no draft
-        self.spec.record(drafted, row.num_accepted)
-        new, reason = req.apply_result(row, drafted)
+        self.spec.record(drafted, row.num_accepted, sched_row.num_forced)
+        new, reason = req.apply_result(row, drafted, sched_row.num_forced)
         self.num_generated_tokens += len(new)
         logprobs = None if row.logprobs is None else row.logprobs[: len(new)]
         if reason is not None:

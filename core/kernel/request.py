@@ -60,9 +60,21 @@ class SpecCounters:
     accepted_per_position: list[int] = field(default_factory=list)
     num_invalid_drafts: int = 0
     """Drafts the grammar refused (structured output): never verified."""
+    num_forced_drafts: int = 0
+    """Drafts the grammar forced (structured output: its only continuation), verified ahead of a
+    speculator's and counted apart, so the speculator's acceptance stays its own."""
+    num_forced_accepted: int = 0
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        if num_drafts == 0:
+    def record(self, num_drafts: int, num_accepted: int, num_forced: int = 0) -> None:
+        """A verified row: num_drafts drafts (the first num_forced of them forced by its grammar),
+        num_accepted of them accepted in order."""
+        if num_forced:
+            self.num_forced_drafts += num_forced
+            self.num_forced_accepted += min(num_accepted, num_forced)
+            # The speculator's drafts follow the forced ones: all rejected if a forced one was.
+            num_drafts -= num_forced
+            num_accepted = max(0, num_accepted - num_forced)
+        if num_drafts <= 0:
             return
         self.num_verify_steps += 1
         self.num_draft_tokens += num_drafts
@@ -86,6 +98,8 @@ class SpecCounters:
             "acceptance_per_position": [a / d if d else 0.0 for a, d in
                                         zip(self.accepted_per_position, self.drafted_per_position, strict=True)],
             "num_invalid_drafts": self.num_invalid_drafts,
+            "num_forced_drafts": self.num_forced_drafts,
+            "num_forced_accepted": self.num_forced_accepted,
         }
 
 
@@ -242,13 +256,14 @@ class Request:
         """Rejected draft positions are void: their KV is overwritten by the next row."""
         self.num_computed_tokens -= num_rejected
 
-    def apply_result(self, row: RowOutcome, num_drafted: int) -> tuple[list[int], str | None]:
+    def apply_result(self, row: RowOutcome, num_drafted: int, num_forced: int = 0) -> tuple[list[int], str | None]:
         """After `land_row`: a result's rejected drafts rolled back, the speculation counters
-        (num_drafted: the drafts a speculator proposed, padding excluded), its tokens appended up to
+        (num_drafted: the drafts proposed, padding excluded, the first num_forced of them forced by
+        the grammar), its tokens appended up to
         the first that stops the request, and the drafts for the next row held unless it stopped or
         a successor in flight already took (or skipped) them. Returns (new tokens, stop reason)."""
         self.roll_back(row.num_drafts - row.num_accepted)
-        self.spec.record(num_drafted, row.num_accepted)
+        self.spec.record(num_drafted, row.num_accepted, num_forced)
         new: list[int] = []
         for token in row.sampled:
             self.output_token_ids.append(token)

@@ -23,9 +23,12 @@ import itertools
 from collections import deque
 from collections.abc import Callable
 
+import msgspec
+
 from ..sampling_params import RowSampling
 from .block_manager import BlockManager
 from .frame import ScheduledRow, StepFrame
+from .grammar import RequestGrammar, fill_masks
 from .request import Request, Status
 from .spec_policy import SpecPolicy
 
@@ -34,8 +37,12 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  spec: SpecPolicy | None = None, async_scheduling: bool = False, pipeline: bool = False,
                  prompt_tokens_apart: int = 0, prompt_steps_per_decode: int = 1,
-                 prompt_batch: tuple[int, int] = (1, 0)) -> None:
+                 prompt_batch: tuple[int, int] = (1, 0), grammar_drafts: bool = True) -> None:
         self.blocks = block_manager
+        self.grammar_drafts = grammar_drafts
+        self.masking: dict[int, tuple[RequestGrammar, list[int]]] = {}
+        """Structured-output rows of the step being scheduled: their drafts, for their masks."""
+        """Structured output: what a grammar forces next is verified as drafts (`_forced`)."""
         self.pipeline = pipeline
         """Pipeline stages: several frames in flight whose output the first stage has not seen;
         see `eligible`. Fixed-width drafts stay on the device there too: the last stage sends them
@@ -120,7 +127,7 @@ class Scheduler:
         req = next((r for r in self.running if self.in_prompt(r) and self._chunk_ready(r, budget)), None)
         if req is None:
             return self._admit(budget, max_rows=1)
-        n_known, _, _ = self._plan(req, budget)
+        n_known, _, _, _ = self._plan(req, budget)
         return [self._row(req, n_known, [], 0)] if self._fit(req, n_known) else []
 
     def _several_prompts(self, per_row: int) -> list[ScheduledRow]:
@@ -133,7 +140,7 @@ class Scheduler:
         for req in [r for r in self.running if self.in_prompt(r) and self._chunk_ready(r, per_row)]:
             if len(rows) == max_rows or budget < 2:
                 return rows
-            n_known, _, _ = self._plan(req, min(budget, per_row))
+            n_known, _, _, _ = self._plan(req, min(budget, per_row))
             if n_known >= 2 and self.blocks.ensure(req, self._slots_needed(req, n_known)):
                 rows.append(self._row(req, n_known, [], 0))
                 budget -= n_known
@@ -172,10 +179,10 @@ class Scheduler:
                 budget -= rows[-1].num_tokens
                 i += 1
                 continue
-            n_known, drafts, slots = self._plan(req, budget)
+            n_known, drafts, slots, forced = self._plan(req, budget)
             if not self._fit(req, n_known + len(drafts) + slots):
                 break
-            rows.append(self._row(req, n_known, drafts, slots))
+            rows.append(self._row(req, n_known, drafts, slots, num_forced=forced))
             budget -= rows[-1].num_tokens
             i += 1
         if prompts:
@@ -198,7 +205,7 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(rows) < max_rows:
             req = self.waiting[0]
-            n_known, _, _ = self._plan(req, budget if per_row is None else min(budget, per_row))
+            n_known, _, _, _ = self._plan(req, budget if per_row is None else min(budget, per_row))
             if per_row is not None and n_known < 2:
                 break
             if not self.blocks.ensure(req, self._slots_needed(req, n_known)):
@@ -211,6 +218,7 @@ class Scheduler:
         return rows
 
     def _frame(self, rows: list[ScheduledRow]) -> StepFrame | None:
+        rows = self._with_masks(rows)
         if not rows:
             return None
         frame = StepFrame(
@@ -222,12 +230,25 @@ class Scheduler:
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec is not None else 0,
         )
         self.next_step_id += 1
+        self._expect_drafts(frame)
+        return frame
+
+    def draft_anyway(self, frame: StepFrame) -> StepFrame:
+        """The frame just scheduled, drafting although it could skip (a data-parallel peer needs
+        drafts this step, and the ranks skip together or not at all); its run-ahead successors
+        then count on its drafts as if it had been scheduled so."""
+        if not frame.skip_drafts:
+            return frame
+        frame = msgspec.structs.replace(frame, skip_drafts=False)
+        self._expect_drafts(frame)
+        return frame
+
+    def _expect_drafts(self, frame: StepFrame) -> None:
         if self.spec is not None and self.spec.run_ahead and not frame.skip_drafts and not frame.host_drafts:
             # The drafts this frame proposes stay on the device: a run-ahead successor counts on them.
-            for row in rows:
+            for row in frame.rows:
                 if row.sampling is not None:
                     self.requests[row.key].expect_device_drafts(frame.num_speculative_tokens)
-        return frame
 
     def eligible(self, req: Request, budget: int) -> bool:
         """May a request with frames in flight be scheduled again? The batch queue's rule: a row
@@ -250,29 +271,45 @@ class Scheduler:
                    req.max_total_tokens - req.num_tokens - req.num_placeholders - req.num_unverified - 1)
         return max(0, min(req.num_draft_slots, room))
 
-    def _plan(self, req: Request, budget: int) -> tuple[int, list[int], int]:
-        """(known tokens, host drafts, device draft slots) to schedule for req within budget."""
+    def _plan(self, req: Request, budget: int) -> tuple[int, list[int], int, int]:
+        """(known tokens, host drafts, device draft slots, of the host drafts those the grammar
+        forces) to schedule for req within budget."""
         n_known = min(req.num_tokens - req.num_computed_tokens, budget)
         if req.num_computed_tokens + n_known < req.num_tokens:
-            return n_known, [], 0
+            return n_known, [], 0, 0
         # Drafts past what the request may still emit could never count: don't verify them.
         room = min(budget - n_known, req.params.max_tokens - len(req.output_token_ids) - 1,
                    req.max_total_tokens - req.num_tokens - 1)
         room = max(room, 0)
-        return n_known, req.draft_token_ids[:room], min(req.num_draft_slots, room)
+        forced = self._forced(req, room)
+        if forced:  # ahead of the speculator's drafts, which guess the same positions
+            return n_known, (forced + req.draft_token_ids[len(forced) :])[:room], 0, len(forced)
+        return n_known, req.draft_token_ids[:room], min(req.num_draft_slots, room), 0
+
+    def _forced(self, req: Request, room: int) -> list[int]:
+        """The tokens req's grammar forces next, within room (none without `grammar_drafts`, and
+        none beside a speculator whose drafts verification reads with their distribution). With
+        a speculator, or on pipeline stages, a row verifies at most K drafts, forced ones too."""
+        if self.spec is not None or self.pipeline:  # K wide: the speculator's buffers, a stage's token frame
+            room = min(room, self.spec.num_speculative_tokens if self.spec is not None else 0)
+        if (req.grammar is None or not self.grammar_drafts or room <= 0
+                or (self.spec is not None and self.spec.sampled_drafts)):
+            return []
+        req.grammar.sync(req.output_token_ids)
+        return req.grammar.forced(room)
 
     def _slots_needed(self, req: Request, n: int) -> int:
         lookahead = self.spec.lookahead_slots if self.spec is not None else 0
         return min(req.num_computed_tokens + n + lookahead, req.max_total_tokens + lookahead)
 
     def _row(self, req: Request, n: int, drafts: list[int], slots: int,
-             placeholder_inputs: int = 0, shifted: bool = False) -> ScheduledRow:
+             placeholder_inputs: int = 0, shifted: bool = False, num_forced: int = 0) -> ScheduledRow:
         start = req.num_computed_tokens
         final = req.samples_after(n + placeholder_inputs)
-        bitmask = b""
         if req.grammar is not None and final:
             req.grammar.sync(req.output_token_ids)
-            valid, bitmask = req.grammar.plan(drafts)
+            valid = req.grammar.valid(drafts)
+            self.masking[req.key] = (req.grammar, valid)  # its masks come with the step's (`_frame`)
             refused = len(drafts) + slots - len(valid)  # device slots cannot be checked: none are verified
             self.num_invalid_drafts += refused
             req.refuse_drafts(refused)
@@ -289,7 +326,15 @@ class Scheduler:
         req.schedule_row(self.next_step_id, n + placeholder_inputs, len(drafts) + slots)
         return ScheduledRow(req.key, req.generation, req.slot, start, req.token_ids(start, start + n),
                             list(req.block_ids), sampling, drafts, slots, placeholder_inputs, prev_step, shifted,
-                            bitmask)
+                            num_forced=min(num_forced, len(drafts)))
+
+    def _with_masks(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:
+        """The grammar rows with their bitmasks, every row's computed at once (`grammar.fill_masks`)."""
+        if not self.masking:
+            return rows
+        masks = dict(zip(self.masking, fill_masks(list(self.masking.values())), strict=True))
+        self.masking.clear()
+        return [msgspec.structs.replace(r, token_bitmask=masks[r.key]) if r.key in masks else r for r in rows]
 
     def _skip_drafts(self, rows: list[ScheduledRow]) -> bool:
         """K=0 when no row can verify drafts proposed after this step: rows that sample nothing

@@ -31,6 +31,9 @@ class SpecPolicy(msgspec.Struct, frozen=True, kw_only=True):
     run_ahead: bool = False
     """Schedule a speculative request's next step while its current one is in flight, as if
     every draft is accepted (the device moves the row back by what was rejected)."""
+    sampled_drafts: bool = False
+    """Verification reads the speculator's proposal distribution at each draft position, which
+    a token the grammar forces was not drawn from: no forced drafts then."""
 
 
 def lookahead_slots(caps: SpeculatorCapabilities | None, num_speculative_tokens: int) -> int:
@@ -51,4 +54,5 @@ def spec_policy(caps: SpeculatorCapabilities | None, backend: AttentionBackend,
     variable_width = caps.draft_width == "variable" and not backend.device_planned
     run_ahead = in_step and backend.device_planned and config.async_scheduling and not variable_width
     return SpecPolicy(num_speculative_tokens=k, lookahead_slots=lookahead_slots(caps, k),
-                      variable_width=variable_width, skip_drafts=config.skip_drafts, run_ahead=run_ahead)
+                      variable_width=variable_width, skip_drafts=config.skip_drafts, run_ahead=run_ahead,
+                      sampled_drafts=caps.sampled_drafts)

@@ -17,6 +17,11 @@ from ..attention import AttentionGroup, AttentionMetadata, Chunk
 ALIGN = 2
 """int64 elements per 16 bytes: where each view of the plan buffer starts."""
 
+
+def _words(n: int) -> int:
+    """int64 elements that hold n float32 numbers."""
+    return -(-n // 2)
+
 SHORT_QUERY = 16
 """Rows with at most this many new tokens (decode, verify) are batched in one padded group."""
 
@@ -55,10 +60,11 @@ class PagedAttention:
     """What every paged backend shares: the step's plan in one persistent device buffer.
 
     A step costs one host-to-device copy, with no device allocation: the host packs positions,
-    slots, token rows, query offsets, context lengths, block tables and the caller's extras in
-    one staging array. The next `prepare` overwrites them: prepare() and forward() of
-    consecutive steps must be issued in order on one stream (one thread on the CPU), where a
-    step's metadata is consumed before the next is written. A second model (a drafter) takes a
+    slots, token rows, query offsets, context lengths, block tables and the caller's extras (its
+    int64 and float32 per-row numbers, each in a section of its own dtype) in one staging array.
+    The next `prepare` overwrites them: prepare() and forward() of consecutive steps must be
+    issued in order on one stream (one thread on the CPU), where a step's metadata is consumed
+    before the next is written. A second model (a drafter) takes a
     backend of its own, so its prepare() never clobbers the target's metadata mid-step.
 
     With `pin_host`, each step stages its numbers in one of a ring of pinned host buffers and
@@ -122,17 +128,18 @@ class PagedAttention:
         """Elements a step's plan may take before the buffer grows."""
         return self.buffer.numel()
 
-    def reserve(self, num_tokens: int, num_rows: int, row_fields: int, tail: int) -> None:
+    def reserve(self, num_tokens: int, num_rows: int, row_fields: int, tail: int, row_floats: int = 0) -> None:
         """Grows the buffer now to fit any step up to these sizes, so it never moves later
         (device graphs read it where it was when they were captured)."""
         width = max(1, self.max_blocks)
-        need = 3 * num_tokens + (num_rows + 1) + num_rows * (1 + row_fields + width) + tail + ALIGN * 8
+        need = (3 * num_tokens + (num_rows + 1) + num_rows * (1 + row_fields + width) + tail
+                + _words(num_rows * row_floats) + ALIGN * 9)
         if need > self.capacity:
             self.buffer = torch.empty(need, dtype=torch.int64, device=self.device)
 
     def prepare(self, chunks: Sequence[Chunk], *, num_tokens: int = 0, num_rows: int = 0,
-                row_extra: np.ndarray | None = None, tail: np.ndarray | None = None,
-                max_query_len: int = 0) -> AttentionMetadata:
+                row_extra: np.ndarray | None = None, row_floats: np.ndarray | None = None,
+                tail: np.ndarray | None = None, max_query_len: int = 0) -> AttentionMetadata:
         lens = np.fromiter((n for _, n, _ in chunks), np.int64, len(chunks))
         starts = np.fromiter((s for s, _, _ in chunks), np.int64, len(chunks))
         real_t, real_r = int(lens.sum()), len(chunks)
@@ -141,15 +148,16 @@ class PagedAttention:
             raise ValueError(f"{type(self).__name__} cannot pad a step")
         width = self.max_blocks or max((len(b) for _, _, b in chunks), default=1) or 1
         e = 0 if row_extra is None else row_extra.shape[1]
+        f = 0 if row_floats is None else row_floats.shape[0]
         n_tail = 0 if tail is None else len(tail)
-        sizes = [t, t, t, r + 1, r, r * e, r * width, n_tail]
+        sizes = [t, t, t, r + 1, r, r * e, _words(f * r), r * width, n_tail]  # the tail last: only it varies
         # Every view starts 16-byte aligned: Triton compiles a kernel variant per pointer
         # alignment, and offsets that moved with the token count would compile new ones mid-serving.
         offsets = np.concatenate([[0], np.cumsum([-(-n // ALIGN) * ALIGN for n in sizes])])
         total = int(offsets[-1])
         staging = self._staging(total)
         host = staging.numpy()
-        positions, slots, token_rows, query_start, seq_lens, extra, tables, tail_view = (
+        positions, slots, token_rows, query_start, seq_lens, extra, floats, tables, tail_view = (
             host[offsets[i] : offsets[i] + sizes[i]] for i in range(len(sizes)))
         query_start[0] = 0
         np.cumsum(lens, out=query_start[1 : real_r + 1])
@@ -171,6 +179,10 @@ class PagedAttention:
         if row_extra is not None:
             extra.reshape(r, e)[:] = 0
             extra.reshape(r, e)[: len(row_extra)] = row_extra
+        if row_floats is not None:
+            float_rows = floats.view(np.float32)[: f * r].reshape(f, r)
+            float_rows[:] = 0
+            float_rows[:, : row_floats.shape[1]] = row_floats
         if tail is not None:
             tail_view[:] = tail
         if total > self.capacity:
@@ -181,10 +193,11 @@ class PagedAttention:
         views = [on_device[offsets[i] : offsets[i] + sizes[i]] for i in range(len(sizes))]
         meta = AttentionMetadata(
             positions=views[0], slot_mapping=views[1], token_rows=views[2], query_start=views[3],
-            seq_lens=views[4], block_tables=views[6].view(r, width),
+            seq_lens=views[4], block_tables=views[7].view(r, width),
             max_query_len=max(int(lens.max(initial=0)), max_query_len),
             backend=self, row_extra=views[5].view(r, e) if row_extra is not None else None,
-            tail=views[7] if tail is not None else None)
+            tail=views[8] if tail is not None else None,
+            row_floats=views[6].view(torch.float32)[: f * r].view(f, r) if row_floats is not None else None)
         self.plan(meta, chunks, starts, lens, table2d)
         return meta
 

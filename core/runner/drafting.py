@@ -237,8 +237,7 @@ def _host_rows(frame: StepFrame, accepted: list[int]) -> HostRows:
 
 def _device_states(deps: DraftingDeps, meta: AttentionMetadata, out: DeviceOutputs, n: int, t: int) -> DeviceStates:
     """The step's first n rows and t tokens (a padded step has more)."""
-    plan = meta.row_extra
-    assert plan is not None
+    plan = STEP.on_device(meta)
     samples = STEP.of(plan, Col.SAMPLES)[:n] > 0
     accepted = out.packed[:n, -1]
     return DeviceStates(

@@ -94,7 +94,7 @@ class ModelRunner:
         tokens = max(max_num_tokens, num_slots * (k + 1))
         self.max_tokens = tokens
         """The most tokens a step (padded or not) holds."""
-        attention.reserve(tokens, num_slots, STEP.width, 3 * tokens)
+        attention.reserve(tokens, num_slots, STEP.int_width, 3 * tokens, STEP.float_width)
         # Room for the context, K drafts past it, and one spare column that catches padding;
         # one spare row takes what padding rows of a device graph write.
         self.pool = TokenPool(num_slots + 1, max_model_len + k + 2, device)
@@ -194,7 +194,7 @@ class ModelRunner:
         in one copy."""
         rows = frame.rows
         plan = STEP.empty(padded.rows if padded is not None and padded.rows > len(rows) else len(rows))
-        plan[:, STEP.index[Col.SLOT]] = self.num_slots  # padding rows: the spare row of the token buffer
+        STEP.put(plan, Col.SLOT, self.num_slots)  # padding rows: the spare row of the token buffer
         n = len(rows)
         STEP.put(plan, Col.SLOT, [r.slot for r in rows], slice(0, n))
         STEP.put(plan, Col.NUM_DRAFTS, [r.num_drafts for r in rows], slice(0, n))
@@ -203,18 +203,28 @@ class ModelRunner:
         STEP.put(plan, Col.SHIFTED, [r.shifted for r in rows], slice(0, n))
         sampled = [i for i, r in enumerate(rows) if r.sampling is not None]
         STEP.put_sampling(plan, sampled, [s for r in rows if (s := r.sampling) is not None])
-        host_n = np.fromiter((len(r.token_ids) for r in rows), np.int64, n)
-        total = int(host_n.sum())
-        tail = np.empty(3 * total, np.int64)
-        tail[:total] = np.repeat(plan[:n, STEP.index[Col.SLOT]], host_n)
-        tail[total : 2 * total] = np.concatenate([np.arange(r.start_pos, r.start_pos + len(r.token_ids))
-                                                  for r in rows]) if total else tail[:0]
-        tail[2 * total :] = np.fromiter((t for r in rows for t in r.token_ids), np.int64, total)
+        tail = self._host_tokens(rows)
         chunks = [(r.start_pos, r.num_tokens, r.block_ids) for r in rows]
         if padded is None:
-            return self.attention.prepare(chunks, row_extra=plan, tail=tail)
-        return self.attention.prepare(chunks, num_tokens=padded.tokens, num_rows=padded.rows, row_extra=plan,
-                                      tail=tail, max_query_len=padded.max_query_len)
+            return self.attention.prepare(chunks, row_extra=plan.ints, row_floats=plan.floats, tail=tail)
+        return self.attention.prepare(chunks, num_tokens=padded.tokens, num_rows=padded.rows, row_extra=plan.ints,
+                                      row_floats=plan.floats, tail=tail, max_query_len=padded.max_query_len)
+    @staticmethod
+    def _host_tokens(rows: list[ScheduledRow]) -> np.ndarray:
+        """[3 * N] slots, positions and ids of what the host writes into the token buffer: each
+        row's host tokens, and the drafts its grammar forced (after its placeholder inputs)."""
+        spans = [(r.slot, r.start_pos, r.token_ids) for r in rows]
+        spans += [(r.slot, r.start_pos + len(r.token_ids) + r.num_placeholder_inputs, r.draft_token_ids[: r.num_forced])
+                  for r in rows if r.num_forced]
+        lens = np.fromiter((len(ids) for _, _, ids in spans), np.int64, len(spans))
+        total = int(lens.sum())
+        tail = np.empty(3 * total, np.int64)
+        if total:
+            tail[:total] = np.repeat(np.fromiter((slot for slot, _, _ in spans), np.int64, len(spans)), lens)
+            tail[total : 2 * total] = np.concatenate([np.arange(start, start + len(ids)) for _, start, ids in spans])
+            tail[2 * total :] = np.fromiter((t for _, _, ids in spans for t in ids), np.int64, total)
+        return tail
+
     def token_bitmask(self, frame: StepFrame, width: int) -> torch.Tensor | None:
         """[R, width + 1, W] int32 on the device: the rows' grammar bitmasks, all ones where a
         row or position has none; None for a step without structured output."""
@@ -242,8 +252,7 @@ class ModelRunner:
         position (structured output, eager); logprob_rows [L]: the rows whose logprobs are
         computed (shape.logprobs top alternatives, eager), from the same logits the step sampled
         or verified with, at each position."""
-        plan = meta.row_extra
-        assert plan is not None
+        plan = STEP.on_device(meta)
         if self.run_ahead:
             self._move_back(meta)
         slot, num_drafts, out_pos = STEP.of(plan, Col.SLOT), STEP.of(plan, Col.NUM_DRAFTS), STEP.of(plan, Col.OUT_POS)
@@ -268,8 +277,7 @@ class ModelRunner:
     def _sample_or_verify(self, meta: AttentionMetadata, shape: StepShape, hidden: torch.Tensor,
                           bitmask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """The step's logits [R, W + 1, V], output tokens [R, W + 1], accepted and drafted counts [R]."""
-        plan = meta.row_extra
-        assert plan is not None
+        plan = STEP.on_device(meta)
         slot, num_drafts, out_pos = STEP.of(plan, Col.SLOT), STEP.of(plan, Col.NUM_DRAFTS), STEP.of(plan, Col.OUT_POS)
         st = SamplingTensors.from_plan(plan, STEP, shape.all_greedy, shape.any_filter, shape.any_penalty)
         # What each row said before this step's output (its drafts are added per position by
@@ -298,8 +306,7 @@ class ModelRunner:
         """The step's input tokens, gathered from the token buffer. -1 (a draft slot a
         variable-width speculator left empty) reads as any valid id: no output that depends on
         it is ever accepted."""
-        assert meta.row_extra is not None
-        return self.pool.tokens[STEP.of(meta.row_extra, Col.SLOT)[meta.token_rows], meta.positions].clamp(min=0)
+        return self.pool.tokens[STEP.of(STEP.on_device(meta), Col.SLOT)[meta.token_rows], meta.positions].clamp(min=0)
 
     def forward(self, meta: AttentionMetadata) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The final-norm hidden states of the step and the captured layers (a pipeline's last
@@ -310,8 +317,7 @@ class ModelRunner:
         """Shifted rows were planned as if their predecessor accepted every draft: their
         positions, cache slots, context lengths, output position and sampling index move back,
         on the device, by the drafts it rejected."""
-        plan = meta.row_extra
-        assert plan is not None
+        plan = STEP.on_device(meta)
         back = torch.where(STEP.of(plan, Col.SHIFTED) > 0, self.rejected[STEP.of(plan, Col.SLOT)], 0)
         real = meta.slot_mapping >= 0
         meta.positions.sub_(torch.where(real, back[meta.token_rows], 0))

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling_params import MIN_TEMPERATURE, RowSampling
-from .host_copy import to_device
 from .penalties import TokenCounts, apply_penalties
-from .step_plan import ROW_SAMPLING, Col, Scheme
+from .step_plan import ROW_SAMPLING, Col, DevicePlan, Scheme
 
 MIX = 0x9E3779B97F4A7C15
 
@@ -211,7 +210,7 @@ class SamplingTensors:
     tensors above are then set). True is always safe, given the counts."""
 
     @classmethod
-    def from_plan(cls, plan: torch.Tensor, scheme: Scheme, all_greedy: bool, any_filter: bool,
+    def from_plan(cls, plan: DevicePlan, scheme: Scheme, all_greedy: bool, any_filter: bool,
                   any_penalty: bool) -> SamplingTensors:
         """The sampling columns of a step plan on the device (`step_plan`), and what the host
         knows of its rows."""
@@ -225,12 +224,13 @@ class SamplingTensors:
     @classmethod
     def from_rows(cls, rows: Sequence[RowSampling], device: torch.device | str,
                   pad_to: int | None = None) -> SamplingTensors:
-        """Packs the rows into one host array and sends it in one (non-blocking) copy. Rows past
-        len(rows), up to pad_to, are greedy padding: harmless, and they keep the shape fixed."""
+        """Packs the rows into a host plan (its int and float columns) and sends it without
+        blocking. Rows past len(rows), up to pad_to, are greedy padding: harmless, and they keep
+        the shape fixed."""
         plan = ROW_SAMPLING.empty(max(len(rows), pad_to or 0))  # padding: greedy, every filter and penalty off
         ROW_SAMPLING.put_sampling(plan, list(range(len(rows))), rows)
         sampled = [s for s in rows if not is_greedy(s.temperature)]
-        return cls.from_plan(to_device(plan, torch.device(device)), ROW_SAMPLING, all_greedy=not sampled,
+        return cls.from_plan(plan.to(torch.device(device)), ROW_SAMPLING, all_greedy=not sampled,
                              any_filter=any(s.top_k > 0 or s.top_p < 1.0 for s in sampled),
                              any_penalty=any(s.penalized for s in rows))
 

@@ -230,8 +230,8 @@ class StageRunner(ModelRunner):
         if self.stage.first:
             return
         meta = self.last_meta
-        assert meta is not None and meta.row_extra is not None and self.links.tokens is not None
-        plan, n = meta.row_extra, len(frame.rows)
+        assert meta is not None and self.links.tokens is not None
+        plan, n = STEP.on_device(meta), len(frame.rows)
         slot = STEP.of(plan, Col.SLOT)[:n].to(torch.int64)
         out_pos = STEP.of(plan, Col.OUT_POS)[:n].to(torch.int64)
         samples = STEP.of(plan, Col.SAMPLES)[:n] > 0

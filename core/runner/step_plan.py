@@ -1,10 +1,10 @@
 """The per-row plan a step sends to the device, as named columns with their dtypes.
 
-The host packs a step's plan into one int64 array that rides along on the attention backend's
-one host-to-device copy (`AttentionBackend.prepare(row_extra=...)`), so a column of floats
-travels as its float32 bits. This module is the one place that knows it: `Scheme.put` writes a
-column of any dtype, `Scheme.of` reads it back on the device in its own dtype; nobody else
-indexes the plan by number.
+A plan is two arrays: the int64 columns, one row per step row, and the float32 columns, one
+row per column (so each float column is contiguous on the device). Both ride along on the
+attention backend's one host-to-device copy (`AttentionBackend.prepare(row_extra=...,
+row_floats=...)`), each in a section of its own dtype. `Scheme.put` writes a column on the host,
+`Scheme.of` reads it on the device; nobody else indexes the plan by number.
 
 Three layouts use these columns: `STEP`, what the runner's step reads (`model_runner`),
 `DRAFTER`, what a served drafter's padded pass reads (`engine.drafter_steps`), and
@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
+from .host_copy import to_device
+
 if TYPE_CHECKING:
+    from ..attention import AttentionMetadata
     from ..sampling_params import RowSampling
 
 
@@ -57,9 +60,33 @@ NEUTRAL = {Col.TOP_P: 1.0, Col.REPETITION: 1.0}
 """Values that mean "off" where 0 does not (a row that does not sample, a padding row)."""
 
 
-def _bits(values: object) -> np.ndarray:
-    """float32 values as the int64 the plan array carries: their bits, read as an int32."""
-    return np.asarray(values, np.float32).view(np.int32).astype(np.int64)
+class HostPlan(NamedTuple):
+    """A plan on the host, as the step's planner fills it."""
+
+    ints: np.ndarray
+    """[rows, int columns] int64."""
+    floats: np.ndarray
+    """[float columns, rows] float32."""
+
+    @property
+    def rows(self) -> int:
+        return self.ints.shape[0]
+
+    def overwrite(self, head: HostPlan) -> None:
+        """`head`'s rows over this plan's first rows (real rows ahead of padding)."""
+        self.ints[: head.rows] = head.ints
+        self.floats[:, : head.rows] = head.floats
+
+    def to(self, device: torch.device) -> DevicePlan:
+        """The plan on the device, in copies the host does not wait for (`host_copy.to_device`)."""
+        return DevicePlan(to_device(self.ints, device), to_device(self.floats, device))
+
+
+class DevicePlan(NamedTuple):
+    """A plan on the device, as the step reads it."""
+
+    ints: torch.Tensor
+    floats: torch.Tensor
 
 
 class Scheme:
@@ -67,34 +94,49 @@ class Scheme:
 
     def __init__(self, *columns: Col) -> None:
         self.columns = columns
-        self.index = {c: i for i, c in enumerate(columns)}
+        self.ints = tuple(c for c in columns if c.dtype == "int64")
+        self.floats = tuple(c for c in columns if c.dtype == "float32")
+        self.index = {c: i for group in (self.ints, self.floats) for i, c in enumerate(group)}
 
     @property
-    def width(self) -> int:
-        return len(self.columns)
+    def int_width(self) -> int:
+        return len(self.ints)
 
-    def empty(self, rows: int) -> np.ndarray:
-        """[rows, width] a plan of rows that sample nothing, every float column off."""
-        plan = np.zeros((rows, self.width), np.int64)
+    @property
+    def float_width(self) -> int:
+        return len(self.floats)
+
+    def empty(self, rows: int) -> HostPlan:
+        """A plan of rows that sample nothing, every float column off."""
+        plan = HostPlan(np.zeros((rows, len(self.ints)), np.int64), np.zeros((len(self.floats), rows), np.float32))
         for col, value in NEUTRAL.items():
             if col in self.index:
-                plan[:, self.index[col]] = _bits(np.float32(value))
+                self.put(plan, col, value)
         return plan
 
-    def put(self, plan: np.ndarray, col: Col, values: object, rows: slice | list[int] = slice(None)) -> None:
+    def column(self, plan: HostPlan, col: Col) -> np.ndarray:
+        """A column on the host ([rows], a view in its own dtype)."""
+        return plan.floats[self.index[col]] if col.dtype == "float32" else plan.ints[:, self.index[col]]
+
+    def put(self, plan: HostPlan, col: Col, values: object, rows: slice | list[int] = slice(None)) -> None:
         """Writes a column (or some of its rows) on the host."""
-        plan[rows, self.index[col]] = _bits(values) if col.dtype == "float32" else np.asarray(values, np.int64)
+        self.column(plan, col)[rows] = values
 
-    def of(self, plan: torch.Tensor, col: Col) -> torch.Tensor:
-        """A column of the plan on the device, in its own dtype ([R] int64 or float32)."""
-        raw = plan[:, self.index[col]]
-        return raw.to(torch.int32).view(torch.float32) if col.dtype == "float32" else raw
-
-    def put_sampling(self, plan: np.ndarray, rows: list[int], sampling: Sequence[RowSampling]) -> None:
+    def put_sampling(self, plan: HostPlan, rows: list[int], sampling: Sequence[RowSampling]) -> None:
         """The sampling columns of these rows, from their `RowSampling`."""
         if rows:
             for col, name in SAMPLING.items():
                 self.put(plan, col, [getattr(s, name) for s in sampling], rows)
+
+    @staticmethod
+    def on_device(meta: AttentionMetadata) -> DevicePlan:
+        """The plan a step's metadata carries."""
+        assert meta.row_extra is not None and meta.row_floats is not None, "the step was prepared without a plan"
+        return DevicePlan(meta.row_extra, meta.row_floats)
+
+    def of(self, plan: DevicePlan, col: Col) -> torch.Tensor:
+        """A column on the device, in its own dtype ([R] int64 or float32)."""
+        return plan.floats[self.index[col]] if col.dtype == "float32" else plan.ints[:, self.index[col]]
 
 
 STEP = Scheme(Col.SLOT, Col.NUM_DRAFTS, Col.OUT_POS, Col.SAMPLES, Col.SEED, Col.POSITION, Col.TOP_K,

@@ -1,16 +1,20 @@
 """Data parallelism on the real default model: two engine-core ranks agree every step in one
-all-reduce; a step is K=0 only when both ranks vote so; a rank that only prefills (max_tokens=1)
-or has nothing at all never blocks the one that decodes; outputs equal one rank's."""
+all-reduce; a step is K=0 only when both ranks vote so, and never while a rank runs a dummy step
+(the K=0 RFC's rule); a rank that only prefills (max_tokens=1) or has nothing at all never blocks
+the one that decodes; outputs equal one rank's."""
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from typing import Any
 
 import anyio
 import msgspec
 import numpy as np
 import pytest
+import torch
 
 from speckernel import AsyncEngine, SamplingParams
 from speckernel.config import EngineConfig
@@ -90,10 +94,13 @@ def test_prefilling_rank_and_decoding_rank_agree_on_k0(tokenizer) -> None:  # ty
         assert not t.is_alive(), "a rank did not stop"
     votes0, votes1 = cores[0].dp_votes, cores[1].dp_votes
     assert len(votes0) == len(votes1), "the ranks did not step in lockstep"
-    for (skip0, agreed0), (skip1, agreed1) in zip(votes0, votes1, strict=True):
-        assert agreed0 == agreed1 == (skip0 and skip1), "K=0 without both ranks voting for it"
-    assert any(skip0 and not agreed for (skip0, agreed), _ in zip(votes0, votes1, strict=True)), \
+    for v0, v1 in zip(votes0, votes1, strict=True):
+        assert v0.agreed == v1.agreed == (v0.skip and v1.skip), "K=0 without both ranks voting for it"
+        assert not ((v0.dummy or v1.dummy) and v0.agreed), "K=0 in a step where a rank ran a dummy batch"
+    assert any(v0.skip and not v0.agreed for v0 in votes0), \
         "the prefilling rank was never overruled: the test proves nothing"
+    assert any(v0.dummy and v1.skip for v0, v1 in zip(votes0, votes1, strict=True)), \
+        "rank 1 never could skip beside an idle rank 0: the RFC's rule was not exercised"
     assert cores[0].dp is not None and cores[0].dp.num_dummy_steps > 0, "rank 0 never idled beside rank 1"
     single = EngineCore(CONFIG)
     want = run_loop(single, [w[1] for w in prefill + decode], [w[2] for w in prefill + decode])
@@ -101,6 +108,8 @@ def test_prefilling_rank_and_decoding_rank_agree_on_k0(tokenizer) -> None:  # ty
 
 
 async def test_frontend_balances_requests_over_ranks(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Requests spread over the ranks, whose loops run ahead as the single engine's does (rows
+    scheduled while their predecessor runs), and the outputs are one engine's."""
     ids = [tokenizer.encode(p) for p in PROMPTS[:4]]
     config = msgspec.structs.replace(CONFIG, speculator=None, in_process=True, data_parallel_size=2)
     async with AsyncEngine(config) as engine:
@@ -115,8 +124,39 @@ async def test_frontend_balances_requests_over_ranks(tokenizer) -> None:  # type
         client = engine._client
         loads = [len(c.core.scheduler.requests) for c in client.ranks]  # type: ignore[union-attr]
         steps = [c.core.num_steps for c in client.ranks]  # type: ignore[union-attr]
+        overlapped = [c.core.ledger.num_async_rows for c in client.ranks]  # type: ignore[union-attr]
     assert all(s > 0 for s in steps), f"a rank served nothing: steps {steps}"
+    assert all(n > 0 for n in overlapped), f"a rank never scheduled a step while one ran: {overlapped}"
     assert loads == [0, 0]
     single = EngineCore(msgspec.structs.replace(CONFIG, speculator=None))
     want = await anyio.to_thread.run_sync(run_loop, single, ids, DECODE)  # its own event loop
     assert [got[i] for i in range(4)] == want
+
+
+def test_ranks_built_in_one_process_set_up_their_devices_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks built at once in one process take turns at loading and capturing: a capture
+    beside another core's allocations on the same device fails, and the ranks then ran eagerly."""
+    spans: list[tuple[float, float]] = []
+    local_runner = EngineCore._local_runner
+
+    def timed(self: EngineCore, *args: Any) -> Any:
+        started = time.monotonic()
+        runner = local_runner(self, *args)
+        time.sleep(0.3)  # a capture's worth of device work, long enough for the other to collide
+        spans.append((started, time.monotonic()))
+        return runner
+
+    monkeypatch.setattr(EngineCore, "_local_runner", timed)
+    monkeypatch.setattr(sys.modules[__name__], "CONFIG", msgspec.structs.replace(
+        CONFIG, model="random:tiny", speculator=None, max_model_len=128))
+    ranks()
+    first, second = sorted(spans)
+    assert first[1] <= second[0], "the ranks set up their devices at the same time"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device graphs need a GPU")
+def test_ranks_built_in_one_process_both_capture_their_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "CONFIG", msgspec.structs.replace(CONFIG, platform="cuda"))
+    cores = ranks()
+    assert all(c.runner.graphs is not None and c.runner.graphs.graphs for c in cores), \
+        "a rank lost its graphs: its steps run eagerly"

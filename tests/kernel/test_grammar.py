@@ -71,3 +71,28 @@ def test_a_grammar_that_does_not_compile_is_refused_by_validate(bad: StructuredO
 
 def test_validate_marks_the_request_for_host_drafts() -> None:
     assert SamplingParams(structured=StructuredOutput(regex="a+")).validate().structured_output
+
+
+def serial_masks(g, drafts: list[int]) -> bytes:  # type: ignore[no-untyped-def]
+    """The masks one position at a time, by consuming each draft: what `fill_masks` must equal."""
+    masks = [g.matcher.compute_bitmask()[: 4 * g.words]]
+    for token in drafts:
+        assert g.matcher.consume_token(token)
+        masks.append(g.matcher.compute_bitmask()[: 4 * g.words])
+    g.matcher.rollback(len(drafts))
+    return b"".join(masks)
+
+
+def test_one_call_fills_every_rows_masks_as_one_at_a_time_would(grammars, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from speckernel.kernel.grammar import fill_masks
+
+    apples = grammars.matcher(grammars.compile(StructuredOutput(regex="[0-9]+ apples")))
+    choice = grammars.matcher(grammars.compile(StructuredOutput(choice=("yes", "no"))))
+    schema = grammars.matcher(grammars.compile(StructuredOutput(json_object=True)))
+    rows = [(apples, apples.valid(ids(tokenizer, "12 app"))), (choice, []),
+            (schema, schema.valid(ids(tokenizer, '{"a')))]
+    assert rows[0][1] and rows[2][1]  # drafts to mask after, and a row without
+    want = [serial_masks(g, d) for g, d in rows]
+    assert fill_masks(rows) == want
+    assert [len(m) for m in want] == [4 * g.words * (len(d) + 1) for g, d in rows]
+    assert apples.matcher.try_consume_tokens(ids(tokenizer, "7 apples")) == len(ids(tokenizer, "7 apples"))  # unmoved

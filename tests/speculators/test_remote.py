@@ -427,3 +427,22 @@ def test_a_served_draft_model_accepts_what_the_one_in_the_engine_accepts(
         assert stats["served"]["acceptance_per_position"] == stats["local"]["acceptance_per_position"]
     finally:
         server.kill()
+
+
+def test_structured_output_with_a_served_drafter_equals_plain(eagle3: Server, prompts: list[list[int]]) -> None:
+    """A grammar constrains a request whose drafts come from another process: the drafts are cut
+    to their grammar-valid prefix (and the grammar's forced tokens lead them), the tokens are those
+    of the plain engine under the same grammar."""
+    from speckernel.sampling_params import StructuredOutput
+
+    params = [SamplingParams(max_tokens=24, temperature=0, structured=StructuredOutput(regex=r"[0-9]{2,5} apples")),
+              SamplingParams(max_tokens=24, temperature=0, structured=StructuredOutput(json_object=True))]
+    outputs = {}
+    for name, core in (("plain", engine()), ("served", engine(eagle3))):
+        outputs[name] = [run_to_completion(core, [ids], p, prefix=f"g{i}")[0]
+                         for i, (ids, p) in enumerate(zip(prompts, params, strict=True))]
+        if name == "served":
+            spec = core.stats()["spec"]
+            assert spec["num_draft_tokens"] > 0 and spec["plugin"]["num_failed_calls"] == 0, spec
+            assert spec["num_invalid_drafts"] > 0, "no served draft broke the grammar: the cut was not exercised"
+    assert outputs["served"] == outputs["plain"]

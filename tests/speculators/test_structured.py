@@ -71,8 +71,28 @@ def run(core: EngineCore, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def plain(prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    return run(EngineCore(EngineConfig(platform="cpu", max_model_len=512)), prompts)
+def plain_core(prompts) -> tuple[EngineCore, list[list[int]]]:  # type: ignore[no-untyped-def]
+    """No speculator: what the grammars force is verified as drafts (the default)."""
+    core = EngineCore(EngineConfig(platform="cpu", max_model_len=512))
+    return core, run(core, prompts)
+
+
+@pytest.fixture(scope="module")
+def plain(plain_core) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    return plain_core[1]
+
+
+def test_forced_tokens_are_free_drafts_and_change_nothing(prompts, plain_core) -> None:  # type: ignore[no-untyped-def]
+    """The grammar's forced continuations ({"name": ", a closing brace) verified as drafts give
+    the very tokens of decoding them one a step, in fewer steps, counted apart from a speculator's."""
+    core, forced = plain_core
+    one_a_step = EngineCore(EngineConfig(platform="cpu", max_model_len=512, grammar_drafts=False))
+    assert forced == run(one_a_step, prompts)
+    spec = core.stats()["spec"]
+    assert spec["num_forced_drafts"] > 0 and spec["num_forced_accepted"] > 0, spec
+    assert spec["num_draft_tokens"] == 0, "forced drafts counted as a speculator's"
+    assert one_a_step.stats()["spec"]["num_forced_drafts"] == 0
+    assert core.num_steps < one_a_step.num_steps
 
 
 def test_every_output_matches_its_grammar(plain, tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -91,6 +111,7 @@ def test_speculative_structured_output_equals_plain(name: str, prompts, plain, t
     spec = core.stats()["spec"]
     assert spec["num_draft_tokens"] > 0, "no draft was verified: the test proves nothing"
     assert spec["num_host_draft_copies"] > 0  # structured rows take the drafts to the host, fixed width too
+    assert spec["num_forced_drafts"] > 0  # ahead of the speculator's drafts
 
 
 def test_a_request_aborted_while_its_grammar_compiles_never_runs(core) -> None:  # type: ignore[no-untyped-def]
@@ -102,3 +123,11 @@ def test_a_request_aborted_while_its_grammar_compiles_never_runs(core) -> None: 
     assert core.admit_compiled(wait=True) == []
     assert key not in core.scheduler.requests and not core.compiling
     assert (req.status, req.finish_reason, req.grammar) == (Status.FINISHED, "abort", None)
+
+
+def test_structured_output_in_batch_invariant_mode_equals_plain(prompts, plain, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Batch-invariant kernels with a speculator: the same tokens under every grammar."""
+    core = EngineCore(EngineConfig(platform="cpu", max_model_len=512, batch_invariant=True, speculator="mtp",
+                                   num_speculative_tokens=3))
+    assert run(core, prompts) == plain
+    assert core.stats()["spec"]["num_draft_tokens"] > 0

@@ -274,3 +274,31 @@ def test_hf_peers_match_the_engine(hf_model, core, tokenizer) -> None:  # type: 
         result = run_peer(hf_model, peer, prompts, 5, tuple(tokenizer.eos_token_ids), 3, torch.device("cpu"))
         assert result["outputs"] == engine and result["generated_tokens"] == sum(len(e) for e in engine)
         assert result["tokens_per_s"] > 0 and result["tpot_p50_ms"] is not None
+
+
+@pytest.mark.slow
+def test_pp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pp grid on a tiny one: every layout (DP ranks as processes and as threads) at every
+    concurrency, with PP=1 as the reference; the stages' transport named, the DP ranks' turn and
+    vote timed."""
+    report, rows = bench("pp", ["--platform", "cpu", "--model", "random:tiny", "--max-tokens", "4",
+                                "--num-prompts", "2", "--concurrency", "1,2", "--pipeline-sizes", "1,2",
+                                "--speculator", "ngram", "--max-model-len", "256"], tmp_path, monkeypatch)
+    assert set(report) >= HEADER_KEYS | {"runs", "concurrency"} and report["concurrency"] == [1, 2]
+    runs = report["runs"]
+    layouts = ((1, 1, "in-process"), (2, 1, "in-process"), (1, 2, "process"), (1, 2, "in-process"))
+    assert [(r["speculator"], r["pipeline_parallel_size"], r["data_parallel_size"], r["ranks"], r["concurrency"])
+            for r in runs] == [(s, *layout, c) for s in ("none", "ngram") for layout in layouts for c in (1, 2)]
+    for r in runs:
+        assert set(r) >= STREAM_KEYS | {"step_period_ms", "ratio_to_pp1", "identical_to_pp1", "transport"}
+        assert r["identical_to_pp1"] == r["num_requests"] == 2  # greedy float32: layouts change no token
+        assert r["generated_tokens"] == 8 and r["step_period_ms"] > 0
+        pipeline, dp = r["pipeline_parallel_size"] > 1, r["data_parallel_size"] > 1
+        assert (r["transport"] is not None) == pipeline and (r["bubble_mean"] is not None) == pipeline
+        assert (r["dp_step_period_ms"] is not None) == dp and (r["dp_vote_share"] is not None) == dp
+        if dp:
+            assert 0 < r["dp_vote_share"] <= 1 and r["dp_step_period_ms"] > 0
+        if (r["pipeline_parallel_size"], r["data_parallel_size"]) == (1, 1):
+            assert r["ratio_to_pp1"] == 1.0
+    assert len(rows) == len(runs) and [row.split(" | ")[1:5] for row in rows[:2]] == [["1", "1", "1", "2"],
+                                                                                    ["1", "1", "2", "2"]]

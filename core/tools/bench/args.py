@@ -12,6 +12,7 @@ SCENARIOS = {
     "grammar": "structured output (JSON schema, json_object) against free text, with and without speculators",
     "hostsync": "a fixed-width speculator with and without copying draft IDs to the host",
     "invariant": "the batch-invariant mode against the default: tokens/s and outputs equal to plain greedy",
+    "loop": "the kernel's host work a step and a row (schedule + apply, a stand-in runner), on the CPU",
     "kernels": "each small-batch kernel against the fused path's launches, by shape and rows; --sweep tunes tiles",
     "pp": "pipeline (PP=1,2,4) and data (DP=2) parallelism, with and without a speculator",
     "prefill": "prefill-only requests with and without K=0 steps",
@@ -87,15 +88,20 @@ def positive_int(text: str) -> int:
     return value
 
 
-def int_list(text: str) -> list[int]:
+def int_list(text: str, least: int = 1) -> list[int]:
     """`1,4,16` → [1, 4, 16] (argparse type)."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    if not values or min(values) < least:
+        raise argparse.ArgumentTypeError(f"expected integers >= {least}, got {text!r}")
     return values
+
+
+def count_list(text: str) -> list[int]:
+    """`0,3` → [0, 3] (argparse type; 0 allowed)."""
+    return int_list(text, least=0)
 
 
 def fraction(text: str) -> float:
@@ -154,6 +160,14 @@ def hostsync_arguments(p: argparse.ArgumentParser) -> None:
     engine_flags(p)
 
 
+def loop_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rows", type=int_list, default=[1, 16, 64, 128],
+                   help="requests in flight, comma-separated (default: 1,16,64,128)")
+    p.add_argument("--loop-k", type=count_list, default=[0, 3], metavar="K",
+                   help="drafts a row verifies, comma-separated; 0: no speculator (default: 0,3)")
+    p.add_argument("--steps", type=int, default=200, help="decode steps timed per configuration")
+
+
 def invariant_arguments(p: argparse.ArgumentParser) -> None:
     speculator_flags(p, "repeatable; default: ngram:4, mtp:3, eagle3:3, dflash:7, dspark:4, causal_cascade:4")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per answer at most")
@@ -198,15 +212,22 @@ def grammar_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def pp_arguments(p: argparse.ArgumentParser) -> None:
-    speculator_flags(p, "repeatable; default: mtp; runs next to none")
+    speculator_flags(p, "repeatable; default: mtp and dflash; runs next to none")
     p.add_argument("--pipeline-sizes", type=int_list, default=[1, 2, 4], help="comma-separated (default: 1,2,4)")
     p.add_argument("--data-parallel-sizes", type=int_list, default=[2], help="comma-separated (default: 2)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
-    p.add_argument("--num-prompts", type=int, default=8, help="requests per run")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    p.add_argument("--num-prompts", type=int, default=16,
+                   help="requests per run, at least the run's concurrency (default: 16)")
+    p.add_argument("--concurrency", type=int_list, default=[1, 16, 64],
+                   help="requests in flight at once, comma-separated (default: 1,16,64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=256,
                    help="token budget per step (smaller: more prefill chunks to pipeline)")
-    engine_flags(p, max_num_seqs=16, max_model_len=1024, process=False)
+    p.add_argument("--pipeline-transport", default=None, metavar="NAME",
+                   help="transport between pipeline stages (default: the engine's)")
+    p.add_argument("--dp-ranks", type=lambda text: text.split(","), default=["process", "in-process"],
+                   help="where data-parallel ranks run, comma-separated: process (a process each, as "
+                        "served), in-process (threads of this process) (default: both)")
+    engine_flags(p, max_num_seqs=64, max_model_len=1024, process=False)
 
 
 def scale_arguments(p: argparse.ArgumentParser) -> None:
@@ -276,7 +297,7 @@ def startup_arguments(p: argparse.ArgumentParser) -> None:
 
 ARGUMENTS = {"accept": accept_arguments, "decode": decode_arguments, "grammar": grammar_arguments,
              "hostsync": hostsync_arguments, "invariant": invariant_arguments, "kernels": kernels_arguments,
-             "prefill": prefill_arguments, "pp": pp_arguments, "remote": remote_arguments,
+             "loop": loop_arguments, "prefill": prefill_arguments, "pp": pp_arguments, "remote": remote_arguments,
              "scale": scale_arguments, "startup": startup_arguments}
 
 
