@@ -57,8 +57,11 @@ def name_npu_backend() -> bool:
 
 
 @pytest.fixture
-def torch_npu(monkeypatch: pytest.MonkeyPatch) -> FakeNpu:
-    """Two stand-in NPUs for the test (`npu.count` changes how many the host has)."""
+def torch_npu(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeNpu]:
+    """Two stand-in NPUs for the test (`npu.count` changes how many the host has). The backend's
+    name cannot be given back, so torch.npu stays afterwards with no device: torch then finds no
+    accelerator, as on a host whose torch_npu sees no NPU, and the worker's next tests run as
+    before (an optimizer's step asks torch.accelerator, which asks torch.npu)."""
     if not name_npu_backend():
         pytest.skip("torch's private-use backend is taken by another device type")
     npu = FakeNpu(count=2)
@@ -66,5 +69,6 @@ def torch_npu(monkeypatch: pytest.MonkeyPatch) -> FakeNpu:
     module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", loader=None)
     module.npu = npu  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "torch_npu", module)
-    monkeypatch.setattr(torch, "npu", npu, raising=False)
-    return npu
+    torch.npu = npu  # type: ignore[attr-defined]
+    yield npu
+    torch.npu = FakeNpu(count=0)  # type: ignore[attr-defined]
