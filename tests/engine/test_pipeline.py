@@ -61,7 +61,6 @@ CASES = [
     pytest.param(2, "ngram", True, id="pp2-ngram-async"),
     pytest.param(2, "dflash", False, id="pp2-dflash-sync"),
     pytest.param(2, "mtp", True, {"pipeline_transport": "torch_dist"}, id="pp2-mtp-async-torch_dist"),
-    pytest.param(4, None, True, {"pipeline_transport": "torch_dist"}, id="pp4-plain-async-torch_dist"),
     pytest.param(2, "mtp", True, {"pipeline_transport": "cuda_ipc"}, id="pp2-mtp-async-cuda_ipc"),
 ]
 _reference: dict[Any, Any] = {}

@@ -283,10 +283,11 @@ def test_pp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     vote timed."""
     report, rows = bench("pp", ["--platform", "cpu", "--model", "random:tiny", "--max-tokens", "4",
                                 "--num-prompts", "2", "--concurrency", "1,2", "--pipeline-sizes", "1,2",
-                                "--speculator", "ngram", "--max-model-len", "256"], tmp_path, monkeypatch)
+                                "--dp-ranks", "in-process", "--speculator", "ngram", "--max-model-len", "256"],
+                         tmp_path, monkeypatch)  # DP ranks as processes: tests/engine/test_data_parallel.py
     assert set(report) >= HEADER_KEYS | {"runs", "concurrency"} and report["concurrency"] == [1, 2]
     runs = report["runs"]
-    layouts = ((1, 1, "in-process"), (2, 1, "in-process"), (1, 2, "process"), (1, 2, "in-process"))
+    layouts = ((1, 1, "in-process"), (2, 1, "in-process"), (1, 2, "in-process"))
     assert [(r["speculator"], r["pipeline_parallel_size"], r["data_parallel_size"], r["ranks"], r["concurrency"])
             for r in runs] == [(s, *layout, c) for s in ("none", "ngram") for layout in layouts for c in (1, 2)]
     for r in runs:
