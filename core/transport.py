@@ -19,6 +19,7 @@ without torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
 import msgspec
@@ -149,6 +150,19 @@ class TokenFrame(msgspec.Struct, frozen=True, kw_only=True, tag=True, array_like
                 and np.array_equal(self.kinds == EMPTY, other.kinds == EMPTY))
 
 
+Received = tuple[int, Sequence[int], object]
+"""A tensor's (step id, shape, dtype), as asked for or as sent."""
+
+
+def check_received(where: str, asked: Received, sent: Received) -> None:
+    """A received tensor is the one asked for: (step id, shape, dtype) equal, else
+    StepMismatchError naming `where`, what was asked and what came."""
+    (step_id, shape, dtype), (sent_step, sent_shape, sent_dtype) = asked, sent
+    if sent_step != step_id or tuple(sent_shape) != tuple(shape) or sent_dtype != dtype:
+        raise StepMismatchError(f"{where}: expected step {step_id} {tuple(shape)} {dtype}, "
+                                f"got step {sent_step} {tuple(sent_shape)} {sent_dtype}")
+
+
 class HostTensor(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """A tensor on a host channel (zmq, a vendor's socket transport): its bytes, with the torch
     dtype by name, since numpy has no bfloat16."""
@@ -175,10 +189,8 @@ class HostTensor(msgspec.Struct, frozen=True, tag=True, array_like=True):
         `where` otherwise)."""
         import torch  # host transports only: the kernel reads this module without torch
 
-        want = str(dtype).removeprefix("torch.")
-        if self.step_id != step_id or tuple(self.shape) != tuple(shape) or self.dtype != want:
-            raise StepMismatchError(f"{where}: expected step {step_id} {tuple(shape)} {want}, "
-                                    f"got step {self.step_id} {tuple(self.shape)} {self.dtype}")
+        check_received(where, (step_id, shape, str(dtype).removeprefix("torch.")),
+                       (self.step_id, self.shape, self.dtype))
         flat = torch.frombuffer(bytearray(self.data), dtype=torch.uint8)  # a writable copy of the bytes
         return flat.view(dtype).reshape(shape).to(device, non_blocking=True)
 

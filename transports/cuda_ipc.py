@@ -36,7 +36,13 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from speckernel.transport import StepMismatchError, TokenFrame, TransportCapabilities, TransportContext
+from speckernel.transport import (
+    StepMismatchError,
+    TokenFrame,
+    TransportCapabilities,
+    TransportContext,
+    check_received,
+)
 from speckernel.wire.codec import Decoder, Encoder
 
 RING = 4
@@ -343,9 +349,7 @@ class CudaIpcTransport:
             if first:  # after the record, which creates the event on this end's device
                 event = mirror.freed.ipc_handle()
         self._send(Freed(note.slot, event))
-        if note.step_id != step_id or tuple(note.shape) != tuple(shape) or sent_dtype != dtype:
-            raise StepMismatchError(f"cuda_ipc {self.address}: expected step {step_id} {tuple(shape)} {dtype}, "
-                                    f"got step {note.step_id} {tuple(note.shape)} {sent_dtype}")
+        check_received(f"cuda_ipc {self.address}", (step_id, shape, dtype), (note.step_id, note.shape, sent_dtype))
         return out
 
     def close(self) -> None:

@@ -12,12 +12,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple, Self
 
-from speckernel.transport import (
-    StepMismatchError,
-    TokenFrame,
-    TransportCapabilities,
-    TransportContext,
-)
+from speckernel.transport import TokenFrame, TransportCapabilities, TransportContext, check_received
 
 if TYPE_CHECKING:
     import torch
@@ -127,9 +122,7 @@ class InprocTransport:
         got, tensor = sent.step_id, sent.tensor
         if sent.event is not None:
             sent.event.wait()
-        if got != step_id or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-            raise StepMismatchError(f"inproc: expected step {step_id} {tuple(shape)} {dtype}, "
-                                    f"got step {got} {tuple(tensor.shape)} {tensor.dtype}")
+        check_received("inproc", (step_id, shape, dtype), (got, tensor.shape, tensor.dtype))
         out: torch.Tensor = tensor.to(self.device, non_blocking=True)
         return out
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from speckernel.transport import StepMismatchError, TokenFrame, TransportCapabilities, TransportContext
+from speckernel.transport import TokenFrame, TransportCapabilities, TransportContext, check_received
 
 FRAME_TAG, HEADER_TAG, TENSOR_TAG = 1, 2, 3
 MAX_DIMS = 4
@@ -200,9 +200,7 @@ class TorchDistTransport:
             got = self._recv(sent_shape, sent_dtype, TENSOR_TAG, timeout_s)
             out = got.to(self.device, non_blocking=True)
         self.header = None
-        if sent_step != step_id or sent_shape != tuple(shape) or sent_dtype != dtype:
-            raise StepMismatchError(f"torch_dist {self.address}: expected step {step_id} {tuple(shape)} {dtype}, "
-                                    f"got step {sent_step} {sent_shape} {sent_dtype}")
+        check_received(f"torch_dist {self.address}", (step_id, shape, dtype), (sent_step, sent_shape, sent_dtype))
         return out
 
     def close(self) -> None:
