@@ -34,6 +34,7 @@ from ..kernel.token_frames import frame_from_result, frame_meta, meta_digest
 from ..models.loader import load_model
 from ..platform import Platform, parse_dtype
 from ..plugin import drafting_kind
+from ..runner.host_copy import syncs_fail
 from ..runner.model_runner import PendingStep
 from ..runner.stage_runner import StageLinks, StageRunner, StageSlice, split_layers
 from ..transport import TokenFrame, Transport, TransportContext
@@ -167,15 +168,10 @@ class Stage:
         host raises (`torch.cuda.set_sync_debug_mode("error")`) and so ends the stage."""
         decode = bool(frame.rows) and all(r.sampling is not None and r.num_tokens == 1 + r.num_drafts
                                           for r in frame.rows)
-        if not (self.sync_debug and decode and self.device.type == "cuda"):
+        checked = self.sync_debug and decode and self.device.type == "cuda"
+        with syncs_fail(checked):
             yield
-            return
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        self.num_sync_checked += 1
+        self.num_sync_checked += checked
 
     def close(self) -> None:
         """Publishes what is launched (token windows still owed to the first stage are dropped:

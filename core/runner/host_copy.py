@@ -7,7 +7,8 @@ argument, so what a step copies can be told from the calls alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -104,3 +105,17 @@ class StepCopy:
             return None
         values, ids = self._copy.wait()[-2:]
         return values.tolist(), ids.tolist()
+
+
+@contextmanager
+def syncs_fail(enabled: bool) -> Iterator[None]:
+    """With `enabled` (on CUDA), a host sync inside the block raises where it happens
+    (`torch.cuda.set_sync_debug_mode`): the GPU's own check that a step never waits for the host."""
+    if not enabled:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -48,6 +48,7 @@ from ...models.checkpoint import read_config, resolve
 from ...models.loader import load_model
 from ...plugin import FitsVocabulary, TrainableDrafter
 from ...progress import LOG_EVERY_S, Every
+from ...runner.host_copy import syncs_fail
 from .args import size_defaults, trainable
 from .budget import Budget
 from .corpus import build_corpus, read_corpus
@@ -55,7 +56,7 @@ from .data import Interrupted, Sequences, TargetFeatures, batches, generate, lab
 from .feed import DeviceBatch, DeviceFeed
 from .heartbeat import Heartbeat
 from .meter import Meter
-from .step import Figures, MethodRun, read_figures, syncs_fail, train_step
+from .step import Figures, MethodRun, read_figures, train_step
 
 
 class Doing(msgspec.Struct):

@@ -11,8 +11,7 @@ all at once; the log still holds every step's values.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -89,15 +88,3 @@ def train_step(runs: Sequence[MethodRun], features: Target, feed: DeviceFeed, lr
     return fed.counted
 
 
-@contextmanager
-def syncs_fail(enabled: bool) -> Iterator[None]:
-    """With `enabled` (on CUDA), a host sync inside the block raises where it happens
-    (`torch.cuda.set_sync_debug_mode`): the GPU's own check that a step never waits for the host."""
-    if not enabled:
-        yield
-        return
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
