@@ -28,6 +28,7 @@ from speckernel.sampling_params import SamplingParams
 from speckernel.wire.messages import AddRequest
 from tests.conftest import PROMPTS
 from tests.engine.pipeline_util import LocalPipeline, run_loop
+from tests.runner.test_gpu_fast_path import run
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -136,11 +137,4 @@ def test_pp2_decode_steps_of_every_stage_launch_without_host_sync(model_path: Pa
 
 
 def run_single(config: EngineConfig, ids: list[list[int]], params: SamplingParams) -> dict[int, list[int]]:
-    core = EngineCore(config)
-    for key, p in enumerate(ids):
-        core.add_request(AddRequest(key, p, params))
-    out: dict[int, list[int]] = {key: [] for key in range(len(ids))}
-    while core.scheduler.requests:
-        for delta in core.step():
-            out[delta.key] += delta.new_token_ids
-    return out
+    return run(EngineCore(config), ids, params)
