@@ -40,9 +40,9 @@ class Scheduler:
                  prompt_batch: tuple[int, int] = (1, 0), grammar_drafts: bool = True) -> None:
         self.blocks = block_manager
         self.grammar_drafts = grammar_drafts
+        """Structured output: what a grammar forces next is verified as drafts (`_forced`)."""
         self.masking: dict[int, tuple[RequestGrammar, list[int]]] = {}
         """Structured-output rows of the step being scheduled: their drafts, for their masks."""
-        """Structured output: what a grammar forces next is verified as drafts (`_forced`)."""
         self.pipeline = pipeline
         """Pipeline stages: several frames in flight whose output the first stage has not seen;
         see `eligible`. Fixed-width drafts stay on the device there too: the last stage sends them
@@ -127,7 +127,7 @@ class Scheduler:
         req = next((r for r in self.running if self.in_prompt(r) and self._chunk_ready(r, budget)), None)
         if req is None:
             return self._admit(budget, max_rows=1)
-        n_known, _, _, _ = self._plan(req, budget)
+        n_known = self._known(req, budget)
         return [self._row(req, n_known, [], 0)] if self._fit(req, n_known) else []
 
     def _several_prompts(self, per_row: int) -> list[ScheduledRow]:
@@ -140,7 +140,7 @@ class Scheduler:
         for req in [r for r in self.running if self.in_prompt(r) and self._chunk_ready(r, per_row)]:
             if len(rows) == max_rows or budget < 2:
                 return rows
-            n_known, _, _, _ = self._plan(req, min(budget, per_row))
+            n_known = self._known(req, min(budget, per_row))
             if n_known >= 2 and self.blocks.ensure(req, self._slots_needed(req, n_known)):
                 rows.append(self._row(req, n_known, [], 0))
                 budget -= n_known
@@ -205,7 +205,7 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(rows) < max_rows:
             req = self.waiting[0]
-            n_known, _, _, _ = self._plan(req, budget if per_row is None else min(budget, per_row))
+            n_known = self._known(req, budget if per_row is None else min(budget, per_row))
             if per_row is not None and n_known < 2:
                 break
             if not self.blocks.ensure(req, self._slots_needed(req, n_known)):
@@ -271,10 +271,15 @@ class Scheduler:
                    req.max_total_tokens - req.num_tokens - req.num_placeholders - req.num_unverified - 1)
         return max(0, min(req.num_draft_slots, room))
 
+    @staticmethod
+    def _known(req: Request, budget: int) -> int:
+        """Known tokens to schedule for req within budget."""
+        return min(req.num_tokens - req.num_computed_tokens, budget)
+
     def _plan(self, req: Request, budget: int) -> tuple[int, list[int], int, int]:
         """(known tokens, host drafts, device draft slots, of the host drafts those the grammar
         forces) to schedule for req within budget."""
-        n_known = min(req.num_tokens - req.num_computed_tokens, budget)
+        n_known = self._known(req, budget)
         if req.num_computed_tokens + n_known < req.num_tokens:
             return n_known, [], 0, 0
         # Drafts past what the request may still emit could never count: don't verify them.
