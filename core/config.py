@@ -17,6 +17,9 @@ CONTEXT_CAP = 4096
 read (a longer context is there for the asking)."""
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 """The names `platform.DTYPES` maps to torch dtypes, here so a bad dtype fails before the platform loads."""
+GRAMMAR_DRAFTS = 4
+"""Without a speculator, the most tokens a grammar forces that a row verifies in one step (with
+one: K), so such steps keep the shape of the graphs captured for them."""
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,8 +92,21 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     library GEMMs between the fused elementwise kernels (benchmarks compare the two)."""
     grammar_drafts: bool = True
     """Structured output: the tokens a request's grammar forces next (a fixed key, a closing
-    brace) are verified as drafts, with or without a speculator: lossless, since the target
-    verifies them, and counted apart (`num_forced_drafts`). Off: `--no-grammar-drafts`."""
+    brace) are verified as drafts, with or without a speculator (up to K, or GRAMMAR_DRAFTS without
+    one): lossless, since the target verifies them, and counted apart (`num_forced_drafts`). Off:
+    `--no-grammar-drafts`."""
+
+    def forced_drafts(self, k: int, sampled_drafts: bool = False) -> int:
+        """The most forced tokens a row verifies in a step: none beside a speculator whose drafts
+        verification reads with their distribution, or on pipeline stages without one (their token
+        frames are K wide)."""
+        if not self.grammar_drafts or sampled_drafts:
+            return 0
+        return k if k or self.pipeline_parallel_size > 1 else GRAMMAR_DRAFTS
+    grammar_graphs: bool = True
+    """Structured output: decode and verification steps with a grammar replay device graphs of
+    their own, captured at start beside the free ones (twice the decode graphs: start time and
+    graph memory); off (`--no-grammar-graphs`), such steps run eagerly."""
     force_host_drafts: bool = False
     """Copy draft IDs to the host after every drafting step even when the speculator's fixed
     width makes it unnecessary (benchmarks measure what avoiding the copy saves)."""

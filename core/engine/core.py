@@ -130,7 +130,8 @@ class EngineCore:
                                        async_scheduling=config.async_scheduling, pipeline=pipeline,
                                        prompt_tokens_apart=self._prompt_tokens_apart(),
                                        prompt_steps_per_decode=config.prompt_steps_per_decode,
-                                       prompt_batch=self._prompt_batch(), grammar_drafts=config.grammar_drafts)
+                                       prompt_batch=self._prompt_batch(),
+                                       grammar_drafts=config.forced_drafts(k, caps is not None and caps.sampled_drafts))
             self.ledger = Ledger(self.scheduler)
             self.governor = self._governor(caps, k)  # times the graphs: on the device too
             if self.governor is not None:
@@ -175,7 +176,8 @@ class EngineCore:
                              use_triton=self.platform.capabilities.triton,
                              force_host_drafts=config.force_host_drafts,
                              max_num_tokens=config.max_num_batched_tokens,
-                             run_ahead=policy is not None and policy.run_ahead)
+                             run_ahead=policy is not None and policy.run_ahead,
+                             grammar_drafts=config.forced_drafts(k, spec is not None and spec.caps.sampled_drafts))
         use_kernels(model, self.platform, config)
         self.runner = runner
         runner.graphs = self._capture_graphs(runner, spec.caps if spec is not None else None, k)

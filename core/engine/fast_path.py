@@ -43,7 +43,8 @@ def capture_graphs(runner: StepDevice, platform: Platform, config: EngineConfig,
                         propose_widths=(0, k) if drafts_in_step else (0,),
                         prefill_tokens=prefill_buckets(max_tokens),
                         prompt_batches=prompt_batch_buckets(config.max_num_seqs, config.max_num_batched_tokens)
-                        if config.prompts_apart and config.prompt_batches else ())
+                        if config.prompts_apart and config.prompt_batches else (),
+                        constrained=runner.mask_widths if config.grammar_graphs else ())
     try:
         graphs.capture()
     except Exception:  # the engine still serves, eagerly; stats show no graph steps
@@ -62,8 +63,8 @@ def warm_kernels(runner: StepDevice, kv_layer: torch.Tensor, platform: Platform,
         return 0
     started = time.monotonic()
     launches = runner.attention.warm_up(kv_layer, num_heads)
-    # An eager step verifies as many drafts as its rows hold.
-    steps = warm_eager(runner, range(k + 1), max_tokens)
+    # An eager step verifies as many drafts as its rows hold (a grammar's forced ones included).
+    steps = warm_eager(runner, range(max(k, *runner.mask_widths) + 1), max_tokens)
     platform.synchronize()
     JIT_WATCH.seal()
     log.info("kernels_warm", attention_variants=launches, eager_steps=steps, kernel_builds=JIT_WATCH.num_compiles,

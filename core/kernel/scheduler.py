@@ -37,10 +37,11 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  spec: SpecPolicy | None = None, async_scheduling: bool = False, pipeline: bool = False,
                  prompt_tokens_apart: int = 0, prompt_steps_per_decode: int = 1,
-                 prompt_batch: tuple[int, int] = (1, 0), grammar_drafts: bool = True) -> None:
+                 prompt_batch: tuple[int, int] = (1, 0), grammar_drafts: int = 0) -> None:
         self.blocks = block_manager
         self.grammar_drafts = grammar_drafts
-        """Structured output: what a grammar forces next is verified as drafts (`_forced`)."""
+        """Structured output: the most tokens a grammar forces next that a row verifies as drafts
+        in one step (`EngineConfig.forced_drafts`; 0: none)."""
         self.masking: dict[int, tuple[RequestGrammar, list[int]]] = {}
         """Structured-output rows of the step being scheduled: their drafts, for their masks."""
         self.pipeline = pipeline
@@ -292,13 +293,9 @@ class Scheduler:
         return n_known, req.draft_token_ids[:room], min(req.num_draft_slots, room), 0
 
     def _forced(self, req: Request, room: int) -> list[int]:
-        """The tokens req's grammar forces next, within room (none without `grammar_drafts`, and
-        none beside a speculator whose drafts verification reads with their distribution). With
-        a speculator, or on pipeline stages, a row verifies at most K drafts, forced ones too."""
-        if self.spec is not None or self.pipeline:  # K wide: the speculator's buffers, a stage's token frame
-            room = min(room, self.spec.num_speculative_tokens if self.spec is not None else 0)
-        if (req.grammar is None or not self.grammar_drafts or room <= 0
-                or (self.spec is not None and self.spec.sampled_drafts)):
+        """The tokens req's grammar forces next, within room and `grammar_drafts`."""
+        room = min(room, self.grammar_drafts)
+        if req.grammar is None or room <= 0:
             return []
         req.grammar.sync(req.output_token_ids)
         return req.grammar.forced(room)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import AttentionGroup, AttentionMetadata, Chunk
+from .staging import StagingRing
 
 ALIGN = 2
 """int64 elements per 16 bytes: where each view of the plan buffer starts."""
@@ -67,11 +68,8 @@ class PagedAttention:
     before the next is written. A second model (a drafter) takes a
     backend of its own, so its prepare() never clobbers the target's metadata mid-step.
 
-    With `pin_host`, each step stages its numbers in one of a ring of pinned host buffers and
-    copies without blocking. The host prepares step N+1 while step N (and its copy) may still
-    wait in the stream, so a staging buffer is rewritten only after the event recorded behind
-    its last copy has passed: with STAGING_RING buffers and at most two steps in flight, that
-    wait is over before it starts.
+    With `pin_host`, each step stages its numbers in a `StagingRing` of STAGING_RING pinned host
+    buffers and copies without blocking.
 
     `max_blocks` fixes the width of the block tables (so offsets depend only on the padded
     token and row counts, as device graphs need); 0 sizes them to each step's longest table.
@@ -98,30 +96,7 @@ class PagedAttention:
         self.buffer = torch.empty(0, dtype=torch.int64, device=device)
         """The latest step's plan; grows (doubling) for a bigger one."""
         self.reserve(max(1, max_tokens), max(1, max_rows), 0, 0)
-        self._ring: list[tuple[torch.Tensor, torch.Event | None]] = []
-        self._turn = 0
-
-    def _staging(self, total: int) -> torch.Tensor:
-        """A host array for `total` numbers that no pending copy still reads."""
-        if not self.pin_host:
-            return torch.empty(total, dtype=torch.int64)
-        self._turn = (self._turn + 1) % self.STAGING_RING
-        while len(self._ring) <= self._turn:
-            self._ring.append((torch.empty(0, dtype=torch.int64), None))
-        buffer, event = self._ring[self._turn]
-        if event is not None:
-            event.synchronize()
-        if buffer.numel() < total:
-            buffer = torch.empty(max(total, self.capacity), dtype=torch.int64, pin_memory=True)
-            self._ring[self._turn] = (buffer, None)
-        return buffer[:total]
-
-    def _copied(self) -> None:
-        """Records, behind the copy just issued, when this turn's staging is free again."""
-        if self.pin_host:
-            event = torch.Event(self.device)
-            event.record()
-            self._ring[self._turn] = (self._ring[self._turn][0], event)
+        self.staging = StagingRing(device, torch.int64, pin_host, self.STAGING_RING)
 
     @property
     def capacity(self) -> int:
@@ -155,7 +130,7 @@ class PagedAttention:
         # alignment, and offsets that moved with the token count would compile new ones mid-serving.
         offsets = np.concatenate([[0], np.cumsum([-(-n // ALIGN) * ALIGN for n in sizes])])
         total = int(offsets[-1])
-        staging = self._staging(total)
+        staging = self.staging.take(total, self.capacity)
         host = staging.numpy()
         positions, slots, token_rows, query_start, seq_lens, extra, floats, tables, tail_view = (
             host[offsets[i] : offsets[i] + sizes[i]] for i in range(len(sizes)))
@@ -189,7 +164,7 @@ class PagedAttention:
             self.buffer = torch.empty(max(total, 2 * self.capacity), dtype=torch.int64, device=self.device)
         on_device = self.buffer[:total]
         on_device.copy_(staging, non_blocking=self.pin_host)
-        self._copied()
+        self.staging.copied()
         views = [on_device[offsets[i] : offsets[i] + sizes[i]] for i in range(len(sizes))]
         meta = AttentionMetadata(
             positions=views[0], slot_mapping=views[1], token_rows=views[2], query_start=views[3],

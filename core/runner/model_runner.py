@@ -46,6 +46,7 @@ from .sampler import SamplingTensors, sample_on_device, token_logprobs
 from .step_graphs import StepGraphs
 from .step_plan import STEP, Col
 from .step_shape import DeviceOutputs, DraftingDeps, DraftOutcome, StepShape
+from .token_masks import TokenMasks
 from .token_pool import TokenPool
 from .verify import drafted_counts, verify
 
@@ -81,7 +82,7 @@ class ModelRunner:
                  attention: AttentionBackend, num_slots: int, max_model_len: int,
                  speculator: Speculator | None = None, num_speculative_tokens: int = 0, use_triton: bool = False,
                  force_host_drafts: bool = False, max_num_tokens: int = 0, run_ahead: bool = False,
-                 kv_layers: int | None = None) -> None:
+                 kv_layers: int | None = None, grammar_drafts: int = 0) -> None:
         self.model = model
         self.device = device
         self.attention = attention
@@ -91,7 +92,8 @@ class ModelRunner:
         self.num_slots = num_slots
         # The plan buffer never moves under captured graphs.
         k = num_speculative_tokens
-        tokens = max(max_num_tokens, num_slots * (k + 1))
+        width = max(k, grammar_drafts)  # the drafts a row verifies: a speculator's, or a grammar's forced tokens
+        tokens = max(max_num_tokens, num_slots * (width + 1))
         self.max_tokens = tokens
         """The most tokens a step (padded or not) holds."""
         attention.reserve(tokens, num_slots, STEP.int_width, 3 * tokens, STEP.float_width)
@@ -116,6 +118,11 @@ class ModelRunner:
         self.deps = deps
         self.drafting: DraftingPass = drafting_pass(speculator, deps)
         """The speculator's pass for its kind (NoDrafting without one, or once it is switched off)."""
+        self.masks = TokenMasks(num_slots + 1, width + 1, model.cfg.vocab_size, device, pinned=device.type != "cpu")
+        """The grammars' bitmasks of the step, where its graphs (and eager steps) read them."""
+        self.mask_widths: tuple[int, ...] = (0, width) if width else (0,)
+        """Verify widths of the steps with a grammar that graphs may serve (none where the step
+        does not sample: a pipeline stage before the last)."""
         self.graphs: StepGraphs | None = None
         """Captured decode and verification steps, when the engine captured them."""
         self.isolate_speculator = True
@@ -187,7 +194,8 @@ class ModelRunner:
                          any_penalty=any(s.penalized for s in sampling),
                          decode_like=all(r.sampling is not None and r.num_tokens == 1 + r.num_drafts for r in rows),
                          propose_width=self.drafting.propose_width(frame),
-                         logprobs=max((s.logprobs for s in sampling), default=-1))
+                         logprobs=max((s.logprobs for s in sampling), default=-1),
+                         constrained=bool(self.mask_widths) and any(r.token_bitmask for r in rows))
 
     def plan(self, frame: StepFrame, padded: StepShape | None) -> AttentionMetadata:
         """Packs the step's plan (padded to a captured shape, if given) and sends it to the device
@@ -225,31 +233,18 @@ class ModelRunner:
             tail[2 * total :] = np.fromiter((t for _, _, ids in spans for t in ids), np.int64, total)
         return tail
 
-    def token_bitmask(self, frame: StepFrame, width: int) -> torch.Tensor | None:
-        """[R, width + 1, W] int32 on the device: the rows' grammar bitmasks, all ones where a
-        row or position has none; None for a step without structured output."""
-        if not any(r.token_bitmask for r in frame.rows):
-            return None
-        words = (self.model.cfg.vocab_size + 31) // 32
-        host = np.full((len(frame.rows), width + 1, words), -1, np.int32)
-        for i, r in enumerate(frame.rows):
-            if r.token_bitmask:
-                mask = np.frombuffer(r.token_bitmask, np.int32).reshape(-1, words)
-                host[i, : len(mask)] = mask
-        return torch.from_numpy(host).to(self.device, non_blocking=True)
-
     def write_host_tokens(self, meta: AttentionMetadata) -> None:
         tail = meta.tail
         if tail is not None and tail.numel():
             n = tail.numel() // 3
             self.pool.tokens[tail[:n], tail[n : 2 * n]] = tail[2 * n :]
 
-    def device_step(self, meta: AttentionMetadata, shape: StepShape, bitmask: torch.Tensor | None = None,
+    def device_step(self, meta: AttentionMetadata, shape: StepShape,
                     logprob_rows: torch.Tensor | None = None) -> DeviceOutputs:
         """Forward, then sample or verify, then the outputs into the token buffer, then the
         in-step drafting pass: all on the device, with shapes fixed by `shape` (a graph captures
-        exactly this). bitmask [R, width + 1, W]: the grammar's allowed tokens per sampled
-        position (structured output, eager); logprob_rows [L]: the rows whose logprobs are
+        exactly this). A constrained shape applies the grammars' allowed tokens of every sampled
+        position, from `masks` (filled before the step); logprob_rows [L]: the rows whose logprobs are
         computed (shape.logprobs top alternatives, eager), from the same logits the step sampled
         or verified with, at each position."""
         plan = STEP.on_device(meta)
@@ -257,6 +252,7 @@ class ModelRunner:
             self._move_back(meta)
         slot, num_drafts, out_pos = STEP.of(plan, Col.SLOT), STEP.of(plan, Col.NUM_DRAFTS), STEP.of(plan, Col.OUT_POS)
         hidden, captured = self.forward(meta)
+        bitmask = self.masks.view(shape.rows, shape.verify_width + 1) if shape.constrained else None
         logits, out, nacc, real_drafts = self._sample_or_verify(meta, shape, hidden, bitmask)
         # Confirmed tokens land right after each row's last verified input; rows that do not
         # sample write into the spare last column, which nothing reads.
@@ -339,8 +335,10 @@ class ModelRunner:
 
     def _launch(self, frame: StepFrame) -> PendingStep:
         shape = self.step_shape(frame)
-        bitmask = self.token_bitmask(frame, shape.verify_width)
         padded = self.padded(frame, shape)
+        if shape.constrained:
+            run = padded or shape
+            self.masks.fill([r.token_bitmask for r in frame.rows], run.rows, run.verify_width + 1)
         meta = self.plan(frame, padded)
         self.drafting.before(frame)
         self.write_host_tokens(meta)
@@ -351,7 +349,7 @@ class ModelRunner:
             out = self.graphs.replay(padded)
         else:
             logprob_rows = torch.tensor(asked, dtype=torch.int64, device=self.device) if asked else None
-            out = self.device_step(meta, shape, bitmask, logprob_rows)
+            out = self.device_step(meta, shape, logprob_rows)
         for r in frame.rows:
             self.pool.completed(r.slot, r.generation, frame.step_id)
         copy = self._copy(frame, out)
@@ -359,9 +357,8 @@ class ModelRunner:
         return PendingStep(lambda: self.finish(frame, copy, outcome, asked), copy.ready)
 
     def padded(self, frame: StepFrame, shape: StepShape) -> StepShape | None:
-        """The captured shape the step replays, or None (eager: no graphs, none of its size, or
-        structured output, whose masks graphs do not read)."""
-        if self.graphs is None or any(r.token_bitmask for r in frame.rows):
+        """The captured shape the step replays, or None (eager: no graphs, or none of its kind)."""
+        if self.graphs is None:
             return None
         return self.graphs.padded(shape)
 

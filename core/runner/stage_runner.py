@@ -97,6 +97,8 @@ class StageRunner(ModelRunner):
                  **kwargs: Any) -> None:
         super().__init__(*args, kv_layers=stage.end - stage.start, **kwargs)  # type: ignore[misc]  # args never hold kv_layers
         self.stage, self.links = stage, links
+        if not stage.last:
+            self.mask_widths = ()
         if not stage.last:  # the last stage's are its speculator's; the others carry them there
             self.hidden_layers = tuple(hidden_layers)
         self.dtype = self.model.norm.weight.dtype
@@ -158,11 +160,11 @@ class StageRunner(ModelRunner):
             self.stream_out[2 + j, :tokens].copy_(captured[layer])
         return h, captured
 
-    def device_step(self, meta: AttentionMetadata, shape: StepShape, bitmask: torch.Tensor | None = None,
+    def device_step(self, meta: AttentionMetadata, shape: StepShape,
                     logprob_rows: torch.Tensor | None = None) -> DeviceOutputs:
         """The last stage's is the single stage's; another stage's only runs its layers."""
         if self.stage.last:
-            return super().device_step(meta, shape, bitmask, logprob_rows)
+            return super().device_step(meta, shape, logprob_rows)
         hidden, _ = self.forward(meta)
         return DeviceOutputs(self.no_output, hidden, {})
 

@@ -88,7 +88,7 @@ def warm_eager(runner: StepDevice, verify_widths: Iterable[int], max_tokens: int
 class StepGraphs:
     def __init__(self, runner: StepDevice, platform: Platform, max_rows: int, verify_widths: Iterable[int],
                  propose_widths: Iterable[int] = (0,), prefill_tokens: Iterable[int] = (),
-                 prompt_batches: Iterable[tuple[int, int]] = ()) -> None:
+                 prompt_batches: Iterable[tuple[int, int]] = (), constrained: Iterable[int] = ()) -> None:
         self.runner = runner
         self.platform = platform
         self.buckets = row_buckets(max_rows)
@@ -100,6 +100,10 @@ class StepGraphs:
         """Token buckets of one-row steps without drafts (a prompt, or a chunk of one)."""
         self.prompt_batches = sorted(set(prompt_batches)) if self.prefill else []
         """(rows, tokens) buckets of several-prompt steps, each row at most max(prefill) tokens."""
+        self.constrained = sorted(set(constrained))
+        """Verify widths of the decode and verification steps captured applying the token masks
+        (structured output: K, or the grammar's forced drafts without a speculator); prompt steps
+        under a grammar run eagerly."""
         self.graphs: dict[StepShape, tuple[DeviceGraph, DeviceOutputs]] = {}
         self.pool: object | None = None
         self.buffer_ptr = 0
@@ -110,14 +114,17 @@ class StepGraphs:
                    for rows, tokens in reversed(self.prompt_batches) for greedy, filt in SAMPLING_KINDS]
         prompts = [self._prefill_shape(tokens, greedy, filt, propose) for propose in self.propose_widths
                    for tokens in reversed(self.prefill) for greedy, filt in SAMPLING_KINDS]
-        return batches + prompts + [self._shape(rows, verify, greedy, filt, propose) for verify in self.verify_widths
-                          for propose in self.propose_widths
-                          for rows in reversed(self.buckets) for greedy, filt in SAMPLING_KINDS]
+        kinds = [(False, self.verify_widths)] + ([(True, self.constrained)] if self.constrained else [])
+        return batches + prompts + [self._shape(rows, verify, greedy, filt, propose, masked)
+                                    for masked, widths in kinds for verify in widths for propose in self.propose_widths
+                                    for rows in reversed(self.buckets) for greedy, filt in SAMPLING_KINDS]
 
     @staticmethod
-    def _shape(rows: int, verify: int, all_greedy: bool, any_filter: bool, propose: int = 0) -> StepShape:
+    def _shape(rows: int, verify: int, all_greedy: bool, any_filter: bool, propose: int = 0,
+               constrained: bool = False) -> StepShape:
         return StepShape(rows=rows, tokens=rows * (verify + 1), verify_width=verify, max_query_len=verify + 1,
-                         all_greedy=all_greedy, any_filter=any_filter, decode_like=True, propose_width=propose)
+                         all_greedy=all_greedy, any_filter=any_filter, decode_like=True, propose_width=propose,
+                         constrained=constrained)
 
     @staticmethod
     def _prefill_shape(tokens: int, all_greedy: bool, any_filter: bool, propose: int = 0) -> StepShape:
@@ -160,13 +167,16 @@ class StepGraphs:
         """The captured shape that serves this step, or None (run it eagerly)."""
         if not self.graphs or shape.any_penalty or shape.logprobs >= 0:  # graphs skip counting and logprobs
             return None
+        if shape.constrained and not shape.decode_like:
+            return None
         any_filter = shape.any_filter and not shape.all_greedy
         if shape.decode_like:
             rows = next((b for b in self.buckets if b >= shape.rows), None)
-            verify = next((w for w in self.verify_widths if w >= shape.verify_width), None)
+            widths = self.constrained if shape.constrained else self.verify_widths
+            verify = next((w for w in widths if w >= shape.verify_width), None)
             if rows is None or verify is None:
                 return None
-            padded = self._shape(rows, verify, shape.all_greedy, any_filter, shape.propose_width)
+            padded = self._shape(rows, verify, shape.all_greedy, any_filter, shape.propose_width, shape.constrained)
         elif shape.rows == 1 and shape.verify_width == 0:  # one row's prompt, or a chunk of it
             tokens = next((b for b in self.prefill if b >= shape.tokens), None)
             if tokens is None:

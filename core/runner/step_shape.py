@@ -43,6 +43,9 @@ class StepShape:
     logprobs: int = -1
     """The most top alternatives a row of this step reports (-1: no row asked for logprobs). A
     step with logprobs runs eagerly; one without runs exactly the kernels it ran before."""
+    constrained: bool = False
+    """Some row samples under a grammar: the step applies the runner's token masks (graphs of
+    decode and verification steps are captured with and without)."""
 
 
 @dataclass
@@ -116,6 +119,8 @@ class StepDevice(Protocol):
     attention: AttentionBackend
     isolate_speculator: bool
     """Off while graphs are captured: a raising speculator pass then fails the capture."""
+    mask_widths: tuple[int, ...]
+    """Verify widths of the steps with a grammar worth capturing (none: the step samples elsewhere)."""
 
     def plan(self, frame: StepFrame, padded: StepShape | None) -> AttentionMetadata: ...
 

@@ -58,11 +58,17 @@ def test_steady_state_decode_launches_without_host_sync(model_path: Path, tokeni
         core.add_request(AddRequest(key, p, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)))
     for _ in range(4):  # prefill, then the first decode steps
         core.step()
+    assert replayed_without_host_sync(core, 16) == 16
+
+
+def replayed_without_host_sync(core: EngineCore, steps: int, constrained: bool = False) -> int:
+    """Schedules and launches `steps` steps one at a time, each launch under the device's sync
+    check (a host synchronisation raises); returns the graph replays among them."""
     assert core.runner.graphs is not None
     before = core.runner.graphs.num_replays
-    for _ in range(16):
+    for _ in range(steps):
         frame = core.scheduler.schedule()
-        assert frame is not None
+        assert frame is not None and (not constrained or all(r.token_bitmask for r in frame.rows))
         core.ledger.submit(frame)
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -70,7 +76,7 @@ def test_steady_state_decode_launches_without_host_sync(model_path: Path, tokeni
         finally:
             torch.cuda.set_sync_debug_mode("default")
         core.ledger.apply(pending.result())
-    assert core.runner.graphs.num_replays - before == 16
+    return core.runner.graphs.num_replays - before
 
 
 @pytest.mark.slow
@@ -191,3 +197,34 @@ def test_learned_drafters_accept_as_much_alone_as_in_a_batch(name: str, k: int, 
     a, b = alone_core.stats()["spec"], batched.stats()["spec"]
     assert a["num_accepted_tokens"] > 0
     assert abs(a["mean_acceptance_length"] - b["mean_acceptance_length"]) < 0.1 * b["mean_acceptance_length"], (a, b)
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "tags": {"type": "array", "items": {"type": "string"}}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [{}, {"speculator": "mtp", "num_speculative_tokens": 3}])
+def test_structured_steps_replay_graphs_and_equal_the_eager_engine(model_path: Path, tokenizer,  # type: ignore[no-untyped-def]
+                                                                   spec: dict) -> None:
+    """Decode and verification steps with a grammar replay the graphs captured with the token
+    masks (a prompt step under a grammar runs eagerly), the output equals the eager engine's in
+    float32, and a constrained decode step launches without a host synchronisation."""
+    from speckernel.sampling_params import StructuredOutput
+
+    structured = StructuredOutput.of_schema(SCHEMA)
+    ids = prompts(tokenizer, ["Describe a person as JSON:", "A user record in JSON:", "JSON for a cat:"])
+    params = SamplingParams(max_tokens=48, temperature=0.0, structured=structured)
+    eager = run(EngineCore(config(True, **spec)), ids, params)
+    core = EngineCore(config(False, **spec))
+    assert core.runner.graphs is not None and any(s.constrained for s in core.runner.graphs.graphs)
+    fast = run(core, ids, params)
+    assert fast == eager
+    steps = core.stats()
+    assert steps["num_steps"] - steps["num_graph_steps"] <= 2 * len(ids), "the decode steps replayed, constrained"
+    core.add_request(AddRequest(9, ids[0], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True,
+                                                          structured=StructuredOutput(regex="[a-z ]{150,190}"))))
+    for _ in range(3):
+        core.step()
+    assert replayed_without_host_sync(core, 8, constrained=True) == 8

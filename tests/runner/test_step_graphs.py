@@ -210,6 +210,71 @@ def test_replayed_verification_equals_eager_verification(drafts: tuple[int, int]
     same_kv(eager, replayed)
 
 
+def bitmask(*allowed: set[int]) -> bytes:
+    """ScheduledRow.token_bitmask allowing `allowed[j]` at sampled position j."""
+    words = np.zeros((len(allowed), (TINY.vocab_size + 31) // 32), np.uint32)
+    for j, tokens in enumerate(allowed):
+        for t in tokens:
+            words[j, t // 32] |= np.uint32(1 << (t % 32))
+    return words.view(np.int32).tobytes()
+
+
+def test_replayed_constrained_steps_equal_eager_steps() -> None:
+    """Steps with a grammar replay graphs of their own that read the runner's mask buffer: rows
+    with and without a mask side by side, greedy and sampled, a decode step and a verification
+    step whose positions allow different tokens, and fewer rows than the bucket (padding rows
+    allow everything). Each constrained token is one its mask allows, and the replayed tokens
+    are the eager ones."""
+    kinds = ((True, False), (False, False))
+    eager, replayed = runner(False), runner(True, kinds=kinds)
+    assert replayed.graphs is not None
+    replayed.graphs.constrained = [0, K]
+    replayed.graphs.graphs.clear()
+    replayed.graphs.capture()
+    assert any(shape.constrained for shape in replayed.graphs.graphs)
+    rng = np.random.default_rng(8)
+    prompts = {s: rng.integers(0, TINY.vocab_size, n).tolist() for s, n in ((0, 6), (1, 9), (2, 11))}
+    first = StepFrame(0, [ScheduledRow(s, 0, s, 0, p, blocks(s), sampling(s, 0)) for s, p in prompts.items()])
+    a0, a1, a2 = {5, 17, 40}, {3, 60}, {7, 8, 9, 10}
+    decode = StepFrame(1, [  # slot 1 samples (temperature 0.9) under its mask; slot 2 is free
+        ScheduledRow(0, 0, 0, 6, [], blocks(0), sampling(0, 1), num_placeholder_inputs=1, token_bitmask=bitmask(a0)),
+        ScheduledRow(1, 0, 1, 9, [], blocks(1), sampling(1, 1), num_placeholder_inputs=1, token_bitmask=bitmask(a2)),
+        ScheduledRow(2, 0, 2, 11, [], blocks(2), sampling(2, 1), num_placeholder_inputs=1)])
+    outs = {}
+    for name, r in (("eager", eager), ("replayed", replayed)):
+        first_out = r.execute(first)
+        got = r.execute(decode)
+        # Verification: slot 0 verifies one draft that its first position allows, its second
+        # position allowing other tokens; slot 2 verifies a draft without a mask.
+        draft0 = min(a1)
+        r.pool.tokens[0, 8] = draft0
+        r.pool.tokens[2, 13] = 9
+        verify = StepFrame(2, [
+            ScheduledRow(0, 0, 0, 7, [], blocks(0), sampling(0, 2), draft_token_ids=[draft0], num_placeholder_inputs=1,
+                         token_bitmask=bitmask(a1, a0)),
+            ScheduledRow(2, 0, 2, 12, [], blocks(2), sampling(2, 2), draft_token_ids=[9], num_placeholder_inputs=1)])
+        outs[name] = (first_out, got, r.execute(verify))
+    assert outs["eager"] == outs["replayed"]
+    _, got, verified = outs["replayed"]
+    assert got.rows[0].sampled[0] in a0 and got.rows[1].sampled[0] in a2
+    row0 = verified.rows[0]
+    assert row0.sampled[0] in a1 and (row0.num_accepted == 0 or row0.sampled[1] in a0)
+    assert replayed.graphs.num_replays == 2, "both constrained steps replayed"
+    same_kv(eager, replayed)
+
+
+def test_constrained_steps_run_eagerly_without_their_graphs() -> None:
+    """Graphs captured without masks never serve a step with a grammar (they would drop it)."""
+    r = runner(True, verify=(0,), kinds=((True, False),))
+    prompt = StepFrame(0, [ScheduledRow(0, 0, 0, 0, [1, 2, 3], blocks(0), sampling(0, 0))])
+    r.execute(prompt)
+    allowed = {11, 12}
+    step = r.execute(StepFrame(1, [ScheduledRow(0, 0, 0, 3, [], blocks(0), sampling(0, 1), num_placeholder_inputs=1,
+                                                token_bitmask=bitmask(allowed))]))
+    assert step.rows[0].sampled[0] in allowed
+    assert r.graphs is not None and r.graphs.num_replays == 0
+
+
 def test_prefill_and_mixed_steps_run_eagerly_without_prompt_buckets() -> None:
     r = runner(True)
     frame = StepFrame(0, [ScheduledRow(0, 0, 0, 0, [1, 2, 3], blocks(0), sampling(0, 0))])
