@@ -318,6 +318,7 @@ class EngineCore:
 
     def stats(self) -> dict[str, Any]:
         blocks = self.scheduler.blocks
+        parallel = self._parallel_stats()
         return {
             "num_steps": self.num_steps,
             "num_running": len(self.scheduler.running),
@@ -327,12 +328,13 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_stale_rows": self.ledger.num_stale_rows,
             "num_async_rows": self.ledger.num_async_rows,
-            "num_graph_steps": self.runner.graphs.num_replays if self.runner.graphs is not None else 0,
+            "num_graph_steps": (self.runner.graphs.num_replays if self.runner.graphs is not None  # stages: the last's
+                                else parallel["pipeline"]["num_graph_steps"][-1] if "pipeline" in parallel else 0),
             "num_kernel_builds_after_warmup": JIT_WATCH.num_compiles - self.kernel_builds_at_ready,
             "kv_blocks_total": blocks.num_blocks,
             "kv_blocks_free": blocks.num_free,
             "uptime_s": time.monotonic() - self.started,
-            **self._parallel_stats(),
+            **parallel,
             "spec": self.ledger.spec.summary() | {
                 "speculator": self.config.speculator,
                 "num_speculative_tokens": self.scheduler.spec.num_speculative_tokens if self.scheduler.spec else 0,
@@ -353,8 +355,10 @@ class EngineCore:
         found: dict[str, Any] = {}
         if isinstance(self.runner, Pipeline):
             reports, _ = self.runner.digests()
-            found["pipeline"] = {"stages": len(reports), "busy_s": [r.busy_s for r in reports],
-                                 "num_steps": [r.num_steps for r in reports]}
+            found["pipeline"] = {"stages": len(reports), "transport": self.runner.transport,
+                                 "busy_s": [r.busy_s for r in reports],
+                                 "num_steps": [r.num_steps for r in reports],
+                                 "num_graph_steps": [r.num_graph_steps for r in reports]}
         if self.dp is not None:
             found["data_parallel"] = self.dp.stats() | {"num_k0_agreed": self.num_dp_k0_agreed}
         return found

@@ -48,6 +48,8 @@ class StageReport(msgspec.Struct, frozen=True, kw_only=True):
     rank: int
     ready: bool = False
     num_steps: int = 0
+    num_graph_steps: int = 0
+    """Steps this stage ran as a replayed device graph."""
     meta_digest: str = ""
     """sha256 over the TokenFrame metadata of every step this stage ran."""
     error: str = ""

@@ -181,7 +181,9 @@ class Stage:
 
     def report(self, ready: bool = False) -> StageReport:
         graphs = self.runner.graphs if ready else None
-        return StageReport(rank=self.rank, ready=ready, num_steps=self.num_steps, meta_digest=self.digest.hexdigest(),
+        replays = self.runner.graphs.num_replays if self.runner.graphs is not None else 0
+        return StageReport(rank=self.rank, ready=ready, num_steps=self.num_steps, num_graph_steps=replays,
+                           meta_digest=self.digest.hexdigest(),
                            busy_s=self.busy_s, speculator=self.speculator, drafter_bytes=self.drafter_bytes,
                            num_sync_checked=self.num_sync_checked,
                            prefill_tokens=list(graphs.prefill) if graphs is not None else [],

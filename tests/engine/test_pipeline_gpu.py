@@ -87,6 +87,7 @@ def test_pp2_stage_processes_on_the_platforms_transport_never_sync_a_decode_step
         core.close()
     assert all(len(out) == 48 for out in outputs)
     assert [r.num_sync_checked > 5 for r in reports] == [True, True], reports
+    assert [r.num_graph_steps > 5 for r in reports] == [True, True], "both stages replay their graphs"
 
 
 @pytest.mark.parametrize("spec", SPECS)

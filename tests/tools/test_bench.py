@@ -295,7 +295,8 @@ def test_pp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert r["identical_to_pp1"] == r["num_requests"] == 2  # greedy float32: layouts change no token
         assert r["generated_tokens"] == 8 and r["step_period_ms"] > 0
         pipeline, dp = r["pipeline_parallel_size"] > 1, r["data_parallel_size"] > 1
-        assert (r["transport"] is not None) == pipeline and (r["bubble_mean"] is not None) == pipeline
+        assert r["transport"] == ("zmq" if pipeline else None), "the CPU's preferred transport, as the engine picked it"
+        assert (r["bubble_mean"] is not None) == pipeline
         assert (r["dp_step_period_ms"] is not None) == dp and (r["dp_vote_share"] is not None) == dp
         if dp:
             assert 0 < r["dp_vote_share"] <= 1 and r["dp_step_period_ms"] > 0

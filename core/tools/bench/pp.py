@@ -32,9 +32,6 @@ from .command import MISSING, base_config, cell, device_name, header, preamble, 
 from .streams import chat_prompts, identical, run_streams, warm_up
 
 DEFAULT_SPECULATORS = ["mtp", "dflash"]
-TODAYS_STAGE_TRANSPORT = "torch_dist"
-"""What carries frames between stages where neither the engine's stats nor its config name a
-transport (`transport_name`)."""
 
 
 DP_RANKS = ("process", "in-process")
@@ -50,17 +47,11 @@ def layouts(args: argparse.Namespace) -> list[tuple[int, int, str]]:
 
 
 def transport_name(config: EngineConfig, stats: dict[str, Any]) -> str | None:
-    """The transport between pipeline stages, as the engine says: its stats' pipeline section
-    (`transport`) where it reports one, else its config (`pipeline_transport`, the
-    `--pipeline-transport` option), else the one transport the stages use without either. None
-    for a single stage."""
+    """The transport between pipeline stages, as the engine reports it (the one it picked: its
+    config's, or the platform's preferred); None for a single stage."""
     if config.pipeline_parallel_size == 1:
         return None
-    reported = stats.get("pipeline", {}).get("transport")
-    if reported:
-        return str(reported)
-    configured = getattr(config, "pipeline_transport", None)
-    return str(configured) if configured else TODAYS_STAGE_TRANSPORT
+    return str(stats["pipeline"]["transport"])
 
 
 def layout_config(args: argparse.Namespace, name: str | None, pp: int, dp: int, ranks: str) -> EngineConfig:
