@@ -328,8 +328,7 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_stale_rows": self.ledger.num_stale_rows,
             "num_async_rows": self.ledger.num_async_rows,
-            "num_graph_steps": (self.runner.graphs.num_replays if self.runner.graphs is not None  # stages: the last's
-                                else parallel["pipeline"]["num_graph_steps"][-1] if "pipeline" in parallel else 0),
+            "num_graph_steps": self._graph_steps(parallel),
             "num_kernel_builds_after_warmup": JIT_WATCH.num_compiles - self.kernel_builds_at_ready,
             "kv_blocks_total": blocks.num_blocks,
             "kv_blocks_free": blocks.num_free,
@@ -348,6 +347,14 @@ class EngineCore:
                 "plugin": _plugin_stats(self.speculator),
             },
         }
+
+    def _graph_steps(self, parallel: dict[str, Any]) -> int:
+        """Steps replayed as device graphs: this process's, or under pipeline stages the last stage's
+        (0 while no stage has reported)."""
+        if self.runner.graphs is not None:
+            return self.runner.graphs.num_replays
+        per_stage = parallel.get("pipeline", {}).get("num_graph_steps", [])
+        return int(per_stage[-1]) if per_stage else 0
 
     def _parallel_stats(self) -> dict[str, Any]:
         """Per stage: the seconds it ran steps (the rest were bubbles); per data-parallel rank: its

@@ -94,10 +94,10 @@ class Scheduler:
         is scheduled again at once, with that input as a placeholder. A speculative request does
         so only with run-ahead (drafts that stay on the device): its next step is planned as if
         every draft in flight is accepted."""
-        if not (self.async_scheduling and not self.pipeline and req.in_flight == 1 and req.num_placeholders == 1
+        if not (self.async_scheduling and req.in_flight == 1 and req.num_placeholders == 1
                 and self.may_continue(req)) or req.grammar is not None:  # its mask needs the token
             return False
-        if self.spec is None:
+        if self.spec is None:  # on pipeline stages too: the first reads the input from the last's token window
             return req.num_computed_tokens == req.num_tokens
         # Planned as if every draft in flight is accepted: it must fit that case too, or its
         # positions could run past the request's blocks.

@@ -34,7 +34,9 @@ def config(pp: int, speculator: str | None = None, **kw: Any) -> EngineConfig:
 
 
 def outputs(cfg: EngineConfig, prompts: list[list[int]], params: Any = GREEDY,
-            on_step: Any = None) -> tuple[list[list[int]], dict[str, Any], list[Any], str]:
+            on_step: Any = None) -> tuple[list[list[int]], dict[str, Any], list[Any], int]:
+    """The tokens, the speculation counters, a few digest comparisons and the rows that ran
+    ahead of their frame in flight (num_async_rows)."""
     core = EngineCore(cfg)
     seen: list[Any] = []
 
@@ -48,8 +50,8 @@ def outputs(cfg: EngineConfig, prompts: list[list[int]], params: Any = GREEDY,
         got = run_loop(core, prompts, params, check_meta)
     finally:
         core.close()
-    spec = core.stats()["spec"]
-    return got, spec, seen, ""
+    stats = core.stats()
+    return got, stats["spec"], seen, stats["num_async_rows"]
 
 
 CASES = [
@@ -79,8 +81,11 @@ def test_pipeline_matches_single_stage(pp: int, speculator: str | None, async_sc
                                        extra: dict[str, Any], prompts: list[list[int]]) -> None:
     """On the platform's transport (zmq on the CPU) and on one named by configuration."""
     want, want_spec = reference(speculator, async_scheduling, prompts)
-    got, spec, seen, _ = outputs(config(pp, speculator, async_scheduling=async_scheduling, **extra), prompts)
+    got, spec, seen, ahead = outputs(config(pp, speculator, async_scheduling=async_scheduling, **extra), prompts)
     assert got == want
+    # A decoding row is scheduled again while its frame is in flight, its input read from the last
+    # stage's token window on the device (plain decoding; a speculator's rows wait for their frame).
+    assert (ahead > 0) == (async_scheduling and speculator is None), ahead
     if speculator is not None:
         assert spec["num_draft_tokens"] > 0, "the speculator never drafted: the test proves nothing"
         for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):

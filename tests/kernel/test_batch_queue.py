@@ -1,16 +1,17 @@
 """The pipeline batch queue as a state machine: Scheduler(pipeline=True) + Ledger with up to N
-frames in flight, a simulated pipeline that reads a step's inputs when the frame enters the
-first stage (at launch) and yields its output only when the last stage is done, and every
-result carried as a TokenFrame (built, sent through the inproc transport, checked against its
-step, turned back into a StepResult).
+frames in flight, a simulated pipeline that runs frames in step order and yields a step's output
+only when the last stage is done, and every result carried as a TokenFrame (built, sent through
+the inproc transport, checked against its step, turned back into a StepResult).
 
 The simulated device keeps a token buffer per (slot, generation) and writes nothing anywhere
 else. Its "model" is a function of the sequence (`truth`), so the oracle knows every request's
 history without asking the kernel: the tokens a request gets must be exactly that history,
-whatever the interleaving of adds, schedules, applies, aborts and preemptions. At launch, a row
-that reads device output (a placeholder input or drafts) must name a frame whose TokenFrame the
-first stage already has: that is what the eligibility rule guarantees, and what breaking it
-(`test_breaking_the_eligibility_rule_is_caught`) violates.
+whatever the interleaving of adds, schedules, applies, aborts and preemptions. A row that reads
+device output (a placeholder input or drafts) must name a step that entered the pipeline before
+it: the first stage then reads that step's output from the last stage's token window, in step
+order (`StageRunner._take_tokens`), whether or not the engine core has applied it yet. Breaking
+the eligibility rule (`test_breaking_the_eligibility_rule_is_caught`) gives rows inputs that no
+step wrote, or histories that are not the model's.
 """
 
 from __future__ import annotations
@@ -56,18 +57,22 @@ class Device:
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[int, int], dict[int, int]] = {}
-        self.published: set[int] = set()
-        self.launched: dict[int, dict[int, list[int]]] = {}
-        """step id -> row index -> the input tokens the first stage read at launch."""
+        self.launched: set[int] = set()
+        """Steps that entered the pipeline."""
 
     def launch(self, frame: StepFrame) -> None:
+        for row in frame.rows:
+            if row.num_placeholder_inputs > 0 or row.num_drafts > 0:
+                assert row.prev_step_id in self.launched and row.prev_step_id < frame.step_id, (
+                    f"step {frame.step_id}: row {row.key} reads the output of step {row.prev_step_id}, "
+                    "which did not enter the pipeline before it")
+        self.launched.add(frame.step_id)
+
+    def _reads(self, frame: StepFrame) -> dict[int, list[int]]:
+        """The frame's inputs as its first stage reads them: every earlier step's output is in the
+        buffers (steps run in order; the windows arrive in order), then the host's tokens."""
         reads: dict[int, list[int]] = {}
         for i, row in enumerate(frame.rows):
-            reads_device = row.num_placeholder_inputs > 0 or row.num_drafts > 0
-            if reads_device:
-                assert row.prev_step_id in self.published, (
-                    f"step {frame.step_id}: row {row.key} reads the output of step {row.prev_step_id}, "
-                    "whose frame the first stage does not have yet")
             buf = self.buffers.setdefault((row.slot, row.generation), {})
             for j, tok in enumerate(row.token_ids):
                 buf[row.start_pos + j] = tok
@@ -75,11 +80,11 @@ class Device:
             assert all(p in buf for p in range(row.start_pos + n)), \
                 f"step {frame.step_id}: row {row.key} reads positions nothing wrote"
             reads[i] = [buf[p] for p in range(row.start_pos + n)]
-        self.launched[frame.step_id] = reads
+        return reads
 
     def finish(self, frame: StepFrame) -> StepResult:
-        """The last stage: sample / verify on what was read at launch, propose drafts."""
-        reads = self.launched.pop(frame.step_id)
+        """The frame through every stage: read its inputs, sample / verify, propose drafts."""
+        reads = self._reads(frame)
         rows = []
         for i, row in enumerate(frame.rows):
             if row.sampling is None:
@@ -153,7 +158,6 @@ class BatchQueue(RuleBasedStateMachine):
         frame = self.in_flight.popleft()
         self.tx.send_frame(frame_from_result(frame, self.device.finish(frame), MAX_ROWS, self.k))
         got = self.rx.recv_frame(timeout_s=1.0)
-        self.device.published.add(got.step_id)
         result = result_from_frame(frame, got)
         live = {r.key: (r.generation, r.slot) for r in self.sched.running}
         for delta in self.ledger.apply(result):
@@ -214,11 +218,11 @@ def test_batch_queue_applies_frames_to_their_own_rows() -> None:
 
 
 def test_breaking_the_eligibility_rule_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Let decode rows run ahead of their predecessor's frame: the machine must fail. The search
-    is derandomized (a fixed seed, the same examples every run), so it finds the break every time,
-    not only when a random draw happens to."""
+    """Let every row run ahead of its predecessor's frames (speculative rows, and rows with two
+    frames in flight): the machine must fail. The search is derandomized (a fixed seed, the same
+    examples every run), so it finds the break every time, not only when a random draw happens to."""
     monkeypatch.setattr(Scheduler, "eligible", lambda self, req, budget: True)
     broken = settings(SETTINGS, phases=[Phase.generate], report_multiple_bugs=False, derandomize=True,
                       database=None)
-    with pytest.raises(AssertionError, match="whose frame the first stage does not have yet"):
+    with pytest.raises(AssertionError):
         run_state_machine_as_test(BatchQueue, settings=broken)
