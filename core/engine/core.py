@@ -56,6 +56,7 @@ from ..wire.messages import (
 )
 from .check import Checked, check, check_pipeline
 from .data_parallel import IDLE_WAKE_S, DataParallelGroup, Vote, votes_to_skip
+from .device_gaps import DeviceGaps
 from .fast_path import capture_graphs, use_kernels, warm_kernels
 from .heap import frozen_while_serving
 from .runner import PendingResult, Runner
@@ -159,6 +160,7 @@ class EngineCore:
         self.wakeup: anyio.Event | None = None  # made inside the loop that runs the core
         self.running = True
         self.num_steps = 0
+        self.gaps = DeviceGaps()
         self.num_prompt_tokens = 0
         self.started = time.monotonic()
         self.log.info("engine_core_ready", platform=self.platform.name, dtype=str(self.dtype),
@@ -333,6 +335,7 @@ class EngineCore:
             "kv_blocks_total": blocks.num_blocks,
             "kv_blocks_free": blocks.num_free,
             "uptime_s": time.monotonic() - self.started,
+            **self.gaps.stats(),
             **parallel,
             "spec": self.ledger.spec.summary() | {
                 "speculator": self.config.speculator,
@@ -501,12 +504,14 @@ class EngineCore:
                     await emit(CoreOutputs(refused))
                 while len(in_flight) < depth and (frame := self.scheduler.schedule()) is not None:
                     self.ledger.submit(frame)
-                    in_flight.append(InFlight(frame, time.perf_counter(), runner.submit(self.runner.launch, frame)))
+                    in_flight.append(InFlight(frame, time.perf_counter(), runner.submit(self._launch, frame)))
                 if not in_flight:
+                    self.gaps.no_work()
                     await self._idle()
                     continue
                 oldest = in_flight.popleft()
                 result = await anyio.to_thread.run_sync(_finish, oldest.launched)
+                self.gaps.applied(len(in_flight))
                 deltas = self._apply(result, oldest.frame, oldest.started)
                 if deltas:
                     await emit(CoreOutputs(deltas))
@@ -543,16 +548,18 @@ class EngineCore:
                     if not agreed.skip_drafts:
                         frame = self.scheduler.draft_anyway(frame)  # a peer drafts this step: so does this rank
                     self.ledger.submit(frame)
-                    in_flight.append(InFlight(frame, time.perf_counter(), runner.submit(self.runner.launch, frame)))
+                    in_flight.append(InFlight(frame, time.perf_counter(), runner.submit(self._launch, frame)))
                 elif agreed.any_work:
                     dp.num_dummy_steps += 1  # nothing to launch here; the step is the vote
                 if in_flight and (frame is None or len(in_flight) >= depth):
                     oldest = in_flight.popleft()
                     result = await anyio.to_thread.run_sync(_finish, oldest.launched)
+                    self.gaps.applied(len(in_flight))
                     deltas = self._apply(result, oldest.frame, oldest.started)
                     if deltas:
                         await emit(CoreOutputs(deltas))
                 elif not in_flight and not agreed.any_work:
+                    self.gaps.no_work()
                     await self._idle_data_parallel(dp)
         finally:
             runner.shutdown(wait=True, cancel_futures=True)
@@ -573,6 +580,12 @@ class EngineCore:
 
             tg.start_soon(mine)
             tg.start_soon(theirs)
+
+    def _launch(self, frame: StepFrame) -> PendingResult:
+        """The runner thread's launch of a frame, timed for the device's gaps."""
+        pending = self.runner.launch(frame)
+        self.gaps.launched()
+        return pending
 
     def pipeline_depth(self) -> int:
         """Frames in flight at once: 2 with async scheduling, where requests can run ahead. A

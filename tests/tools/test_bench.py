@@ -231,6 +231,26 @@ def test_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.slow
+def test_grammar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real model (the grammar needs its vocabulary), a few short requests: every constraint
+    beside free text, with and without a speculator; a constrained row waits for its step's tokens,
+    so the device waits for the host between its steps, and the report says how long."""
+    report, rows = bench("grammar", ["--platform", "cpu", "--max-tokens", "10", "--num-prompts", "2",
+                                     "--concurrency", "1", "--speculator", "ngram"], tmp_path, monkeypatch)
+    runs = report["runs"]
+    assert [(r["speculator"], r["mode"]) for r in runs] == [
+        (s, m) for s in ("none", "ngram") for m in ("free", "json_schema", "json_object")]
+    for r in runs:
+        assert set(r) >= STREAM_KEYS | {"ratio_to_free", "valid_outputs", "identical_to_none", "num_device_gaps",
+                                        "device_gap_ms", "device_gap_share"}
+        assert r["identical_to_none"] == r["num_requests"] == 2  # greedy float32: speculation changes no token
+        if r["mode"] != "free":  # every step of a constrained row waits for the one before
+            assert r["num_device_gaps"] >= r["num_steps"] - 2 * r["num_requests"], r
+            assert r["device_gap_ms"] > 0 and 0 < r["device_gap_share"] < 1
+    assert len(rows) == len(runs) and rows[1].startswith("| none | json_schema | 1 |")
+
+
+@pytest.mark.slow
 def test_hostsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     report, rows = bench("hostsync", ["--platform", "cpu", "--model", "random:tiny", "--max-tokens", "4",
                                       "--num-prompts", "2", "--repeats", "1", "--concurrency", "1",

@@ -108,17 +108,22 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "free: no constraint; json_schema: the schema below (llguidance); json_object: any JSON object. "
         "vs free: tokens/s over the same speculator's free run at the same concurrency. Valid: parses, and under "
         "the schema has exactly its fields with their types. Identical: token for token the output of the same "
-        "constraint without speculation.",
+        "constraint without speculation. Device gaps: the device waiting for the host between two steps with "
+        "nothing else in flight (a constrained row waits for its step's tokens before its next mask), from the "
+        "result to the return of the next launch: the mean gap and the gaps' share of the run (on the CPU a "
+        "launch runs the step itself, so there a gap includes the step).",
         "",
         "| speculator | constraint | concurrency | tokens/s | vs free | TPOT p50 ms | mean acceptance length "
-        "| drafts cut by the grammar | valid | identical to none |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| drafts cut by the grammar | graph steps | device gap ms | device gap share | valid | identical to none |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
         lines.append(
             f"| {r['speculator']} | {r['mode']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | "
             f"{cell(r['ratio_to_free'])} | {cell(r['tpot_p50_ms'])} | {cell(r['spec'].get('mean_acceptance_length'))} "
-            f"| {r['num_invalid_drafts']} | {r['valid_outputs']}/{r['num_requests']} | "
+            f"| {r['num_invalid_drafts']} | {r['num_graph_steps']}/{r['num_steps']} "
+            f"| {cell(r['device_gap_ms'], '.2f')} | {cell(r['device_gap_share'], '.0%')} "
+            f"| {r['valid_outputs']}/{r['num_requests']} | "
             f"{r['identical_to_none']}/{r['num_requests']} |")
     lines += ["", f"Schema: `{json.dumps(report['schema'])}`"]
     return lines

@@ -117,12 +117,22 @@ async def run_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sam
         "num_steps": steps,
         "steps_per_s": steps / elapsed,
         "num_graph_steps": after.get("num_graph_steps", 0) - before.get("num_graph_steps", 0),
+        **device_gaps(before, after, elapsed),
         # Since the engine was ready, warm-up requests included: Triton builds while serving.
         "kernel_builds_after_start": after.get("num_kernel_builds_after_warmup", 0),
         "spec": spec_delta(before["spec"], after["spec"]),
         "outputs": outputs,
         "requests": requests,  # per request, in finishing order: TTFT ms, time in flight ms, tokens
     }
+
+
+def device_gaps(before: dict[str, Any], after: dict[str, Any], elapsed_s: float) -> dict[str, Any]:
+    """The device's waits for the host between two steps with nothing else in flight
+    (`engine.device_gaps`): how many, the mean one, and their share of the run."""
+    count = after.get("num_device_gaps", 0) - before.get("num_device_gaps", 0)
+    total = after.get("device_gap_s", 0.0) - before.get("device_gap_s", 0.0)
+    return {"num_device_gaps": count, "device_gap_ms": 1e3 * total / count if count else None,
+            "device_gap_share": total / elapsed_s if elapsed_s > 0 else None}
 
 
 async def repeated_streams(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, concurrency: int,
