@@ -230,6 +230,15 @@ def test_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert "Requests per run, by concurrency: 1: 2, 2: 8." in text and "median tokens/s of 2" in text
 
 
+def test_pp_layouts_start_with_pp1_and_count_dp1_once() -> None:
+    import argparse
+
+    from speckernel.tools.bench.pp import layouts
+
+    args = argparse.Namespace(pipeline_sizes=[1, 2], data_parallel_sizes=[1, 2], dp_ranks=["process", "in-process"])
+    assert layouts(args) == [(1, 1, "default"), (2, 1, "default"), (1, 2, "process"), (1, 2, "in-process")]
+
+
 @pytest.mark.slow
 def test_grammar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real model (the grammar needs its vocabulary), a few short requests: every constraint

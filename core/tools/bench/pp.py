@@ -43,7 +43,7 @@ def layouts(args: argparse.Namespace) -> list[tuple[int, int, str]]:
         raise InvalidInputError(f"--dp-ranks: unknown {', '.join(sorted(unknown))}; expected {', '.join(DP_RANKS)}")
     ranks = [r for r in DP_RANKS if r in args.dp_ranks]
     return [(pp, 1, "default") for pp in args.pipeline_sizes] + [
-        (1, dp, r) for dp in args.data_parallel_sizes for r in ranks]
+        (1, dp, r) for dp in args.data_parallel_sizes if dp > 1 for r in ranks]  # DP=1 is PP=1's layout
 
 
 def transport_name(config: EngineConfig, stats: dict[str, Any]) -> str | None:
