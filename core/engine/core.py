@@ -59,6 +59,7 @@ from .data_parallel import IDLE_WAKE_S, DataParallelGroup, Vote, votes_to_skip
 from .device_gaps import DeviceGaps
 from .fast_path import capture_graphs, use_kernels, warm_kernels
 from .heap import frozen_while_serving
+from .host_times import HostTimes
 from .runner import PendingResult, Runner
 from .speculation import Speculation, build_speculator, check_speculator
 from .stages import Pipeline
@@ -161,6 +162,7 @@ class EngineCore:
         self.running = True
         self.num_steps = 0
         self.gaps = DeviceGaps()
+        self.host = HostTimes()
         self.num_prompt_tokens = 0
         self.started = time.monotonic()
         self.log.info("engine_core_ready", platform=self.platform.name, dtype=str(self.dtype),
@@ -336,6 +338,8 @@ class EngineCore:
             "kv_blocks_free": blocks.num_free,
             "uptime_s": time.monotonic() - self.started,
             **self.gaps.stats(),
+            **self.host.stats(),
+            "device_s": self.runner.device_s,
             **parallel,
             "spec": self.ledger.spec.summary() | {
                 "speculator": self.config.speculator,
@@ -390,6 +394,10 @@ class EngineCore:
 
     def _apply(self, result: StepResult, frame: StepFrame | None = None, started: float = 0.0) -> list[RequestDelta]:
         """Applies a step's result; with its frame and launch time, the governor learns from it."""
+        with self.host.timed("apply"):
+            return self._apply_result(result, frame, started)
+
+    def _apply_result(self, result: StepResult, frame: StepFrame | None, started: float) -> list[RequestDelta]:
         self.num_steps += 1
         self._count_speculator(result.speculator_error)
         before = self.ledger.num_generated_tokens
@@ -502,7 +510,7 @@ class EngineCore:
                     break
                 if self.compiling and (refused := self.admit_compiled()):
                     await emit(CoreOutputs(refused))
-                while len(in_flight) < depth and (frame := self.scheduler.schedule()) is not None:
+                while len(in_flight) < depth and (frame := self._schedule()) is not None:
                     self.ledger.submit(frame)
                     in_flight.append(InFlight(frame, time.perf_counter(), runner.submit(self._launch, frame)))
                 if not in_flight:
@@ -535,7 +543,7 @@ class EngineCore:
                 await self._answer_inbox(emit)
                 if self.compiling and (refused := self.admit_compiled()):
                     await emit(CoreOutputs(refused))
-                frame = self.scheduler.schedule() if self.running and len(in_flight) < depth else None
+                frame = self._schedule() if self.running and len(in_flight) < depth else None
                 skip = votes_to_skip(frame)
                 has_work = frame is not None or bool(in_flight) or bool(self.scheduler.requests)
                 agreed = await anyio.to_thread.run_sync(
@@ -581,9 +589,15 @@ class EngineCore:
             tg.start_soon(mine)
             tg.start_soon(theirs)
 
+    def _schedule(self) -> StepFrame | None:
+        with self.host.timed("schedule"):
+            return self.scheduler.schedule()
+
     def _launch(self, frame: StepFrame) -> PendingResult:
-        """The runner thread's launch of a frame, timed for the device's gaps."""
-        pending = self.runner.launch(frame)
+        """The runner thread's launch of a frame, timed (its host time, and the device's gaps)."""
+        with self.host.timed("launch"):
+            pending = self.runner.launch(frame)
+        self.host.num_rows += len(frame.rows)
         self.gaps.launched()
         return pending
 

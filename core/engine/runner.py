@@ -24,6 +24,11 @@ class Runner(Protocol):
         """The device graphs its steps replay (None: every step runs eagerly, or elsewhere)."""
         ...
 
+    @property
+    def device_s(self) -> float | None:
+        """Device time of the steps it ran (None where it is not measured: the CPU, stages)."""
+        ...
+
     def launch(self, frame: StepFrame) -> PendingResult:
         """Issues the step and returns before it has run, so the loop can schedule the next."""
         ...

@@ -79,6 +79,7 @@ class Pipeline:
     PendingFrame's result is the last stage's. The stages replay no graphs the core could time."""
 
     graphs = None
+    device_s = None
 
     def __init__(self, config: EngineConfig, checked: Checked, kv: KvPlan, k: int, caps: PlatformCapabilities) -> None:
         self.log = log.get("pipeline")

@@ -125,6 +125,9 @@ class ModelRunner:
         does not sample: a pipeline stage before the last)."""
         self.graphs: StepGraphs | None = None
         """Captured decode and verification steps, when the engine captured them."""
+        self.device_s: float | None = None if device.type == "cpu" else 0.0
+        """Device time of the steps run here, from events around each step's device work (None on
+        the CPU, where a step runs inside its launch)."""
         self.isolate_speculator = True
         """A raising speculator pass costs the step its drafts only (off while graphs are captured:
         a graph must hold the real pass, so a pass that raises there fails the capture)."""
@@ -344,17 +347,29 @@ class ModelRunner:
         self.write_host_tokens(meta)
         self.receive(frame)
         asked = [i for i, r in enumerate(frame.rows) if r.sampling is not None and r.sampling.logprobs >= 0]
+        clock = None if self.device_s is None else (torch.Event(self.device, enable_timing=True),
+                                                    torch.Event(self.device, enable_timing=True))
+        if clock is not None:
+            clock[0].record()
         if padded is not None:
             assert self.graphs is not None
             out = self.graphs.replay(padded)
         else:
             logprob_rows = torch.tensor(asked, dtype=torch.int64, device=self.device) if asked else None
             out = self.device_step(meta, shape, logprob_rows)
+        if clock is not None:
+            clock[1].record()  # before the step's copy, so the copy's event passing means this one did
         for r in frame.rows:
             self.pool.completed(r.slot, r.generation, frame.step_id)
         copy = self._copy(frame, out)
         outcome = self.drafting.after(frame, meta, out, copy, self.isolate_speculator)
-        return PendingStep(lambda: self.finish(frame, copy, outcome, asked), copy.ready)
+        return PendingStep(lambda: self._timed(clock, self.finish(frame, copy, outcome, asked)), copy.ready)
+
+    def _timed(self, clock: tuple[torch.Event, torch.Event] | None, result: StepResult) -> StepResult:
+        """Adds a finished step's device time (its events passed: reading them waits for nothing)."""
+        if clock is not None and self.device_s is not None:
+            self.device_s += clock[0].elapsed_time(clock[1]) / 1e3
+        return result
 
     def padded(self, frame: StepFrame, shape: StepShape) -> StepShape | None:
         """The captured shape the step replays, or None (eager: no graphs, or none of its kind)."""

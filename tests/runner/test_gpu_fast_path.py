@@ -49,6 +49,7 @@ def test_graphs_give_the_eager_greedy_output_in_float32(model_path: Path, tokeni
     fast = run(core, ids, params)
     assert core.runner.graphs is not None and core.runner.graphs.num_replays > 0, "graphs ran"
     assert fast == eager
+    assert 0 < core.stats()["device_s"] < 60, "the steps' device time, from their events"
 
 
 @pytest.mark.slow

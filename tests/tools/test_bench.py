@@ -225,9 +225,17 @@ def test_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert rep["n"] == 2 and len(rep["values"]) == 2 and r["tokens_per_s"] == rep["median"] == min(rep["values"])
         assert rep["spread"] == pytest.approx((max(rep["values"]) - min(rep["values"])) / rep["median"])
     assert runs[2]["spec"]["mean_acceptance_length"] >= 1.0 and runs[0]["spec"]["mean_acceptance_length"] is None
-    assert [row.split(" | ")[1:3] for row in rows] == [["none", "1"], ["none", "2"], ["ngram", "1"], ["ngram", "2"]]
+    for r in runs:  # the host's share by phase; the CPU runs each step inside its launch: no device time apart
+        assert set(r["host_us_per_step"]) == set(r["host_us_per_row"]) == {"schedule", "launch", "apply"}
+        assert all(v > 0 for v in r["host_us_per_step"].values()) and r["device_ms_per_step"] is None
+        assert r["rows_per_step"] >= 1 and r["host_us_per_row"]["launch"] * r["rows_per_step"] == \
+            pytest.approx(r["host_us_per_step"]["launch"])
+    assert [r["rows_per_step"] > 1.5 for r in runs] == [False, True, False, True]  # concurrency 2 batches
+    assert [row.split(" | ")[1:3] for row in rows[: len(runs)]] == [["none", "1"], ["none", "2"], ["ngram", "1"],
+                                                                   ["ngram", "2"]]
     text = (tmp_path / "decode.md").read_text()  # the prose says what the table shows
     assert "Requests per run, by concurrency: 1: 2, 2: 8." in text and "median tokens/s of 2" in text
+    assert "| mode | speculator | concurrency | rows a step | step period ms | device ms a step |" in text
 
 
 def test_pp_layouts_start_with_pp1_and_count_dp1_once() -> None:

@@ -130,6 +130,34 @@ def compare(runs: list[dict[str, Any]], peers: dict[str, dict[str, Any]], modes:
         item.pop("outputs")
 
 
+def host_table(runs: list[dict[str, Any]]) -> list[str]:
+    """The engine core's host time per step and per row, by phase, beside the step period and the
+    device's time per step: whether the host or the device sets the pace."""
+    phases = list(dict.fromkeys(p for r in runs for p in r.get("host_us_per_step", {})))
+    if not phases:
+        return []
+    lines = [
+        "",
+        "Host time of the engine core by phase (schedule: the scheduler, grammar masks included; launch: the "
+        "runner's plan, its copy and the replay or eager launches; apply: the ledger and the governor), per step "
+        "and per row launched, beside the step period (elapsed / steps) and the device's time per step (events "
+        f"around each step's device work; {MISSING} where not measured: the CPU, where a launch runs the step, and "
+        "pipeline stages). The frontend's share is not in these figures.",
+        "",
+        "| mode | speculator | concurrency | rows a step | step period ms | device ms a step | "
+        + " | ".join(f"{p} us a step" for p in phases) + " | " + " | ".join(f"{p} us a row" for p in phases) + " |",
+        "|---" * (6 + 2 * len(phases)) + "|",
+    ]
+    for r in runs:
+        per_step, per_row = r.get("host_us_per_step", {}), r.get("host_us_per_row", {})
+        lines.append(
+            f"| {r['mode']} | {r['speculator']} | {r['concurrency']} | {cell(r.get('rows_per_step'), '.1f')} | "
+            f"{cell(r.get('step_period_ms'), '.3f')} | {cell(r.get('device_ms_per_step'), '.3f')} | "
+            + " | ".join(cell(per_step.get(p), '.0f') for p in phases) + " | "
+            + " | ".join(cell(per_row.get(p), '.1f') for p in phases) + " |")
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> list[str]:
     lines = preamble(report, f"Decode, {report['dataset']}, greedy, max_tokens {report['max_tokens']}, "
                              f"K={report['num_speculative_tokens']}")
@@ -163,6 +191,7 @@ def markdown(report: dict[str, Any]) -> list[str]:
             f"{r['identical_to_none']}/{r['num_requests']} | {cell(r['ratio_to_inprocess'])} | "
             + " | ".join(vs) + " |")
     lines += spread_note(report["runs"], lambda r: f"{r['mode']} {r['speculator']} c={r['concurrency']}")
+    lines += host_table(report["runs"])
     for name, peer in report.get("vllm", {}).items():
         if not peer.get("runs"):
             lines += ["", f"vLLM peer {name}: {peer.get('error', 'no runs')}"]

@@ -118,6 +118,7 @@ async def run_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sam
         "steps_per_s": steps / elapsed,
         "num_graph_steps": after.get("num_graph_steps", 0) - before.get("num_graph_steps", 0),
         **device_gaps(before, after, elapsed),
+        **host_and_device(before, after, steps, elapsed),
         # Since the engine was ready, warm-up requests included: Triton builds while serving.
         "kernel_builds_after_start": after.get("num_kernel_builds_after_warmup", 0),
         "spec": spec_delta(before["spec"], after["spec"]),
@@ -133,6 +134,22 @@ def device_gaps(before: dict[str, Any], after: dict[str, Any], elapsed_s: float)
     total = after.get("device_gap_s", 0.0) - before.get("device_gap_s", 0.0)
     return {"num_device_gaps": count, "device_gap_ms": 1e3 * total / count if count else None,
             "device_gap_share": total / elapsed_s if elapsed_s > 0 else None}
+
+
+def host_and_device(before: dict[str, Any], after: dict[str, Any], steps: int, elapsed_s: float) -> dict[str, Any]:
+    """The engine core's host time per step and per row launched, by phase (`engine.host_times`),
+    beside the step period and the device's time per step (None where the engine does not measure
+    it: the CPU, pipeline stages)."""
+    rows = after.get("num_rows_launched", 0) - before.get("num_rows_launched", 0)
+    host = {phase: after["host_s"][phase] - before["host_s"].get(phase, 0.0)
+            for phase in after.get("host_s", {})}
+    device = (after["device_s"] - before["device_s"]
+              if after.get("device_s") is not None and before.get("device_s") is not None else None)
+    return {"step_period_ms": 1e3 * elapsed_s / steps if steps else None,
+            "rows_per_step": rows / steps if steps else None,
+            "host_us_per_step": {p: 1e6 * s / steps for p, s in host.items()} if steps else {},
+            "host_us_per_row": {p: 1e6 * s / rows for p, s in host.items()} if rows else {},
+            "device_ms_per_step": 1e3 * device / steps if device is not None and steps else None}
 
 
 async def repeated_streams(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, concurrency: int,
