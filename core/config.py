@@ -104,9 +104,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             return 0
         return k if k or self.pipeline_parallel_size > 1 else GRAMMAR_DRAFTS
     grammar_graphs: bool = True
-    """Structured output: decode and verification steps with a grammar replay device graphs of
-    their own, captured at start beside the free ones (twice the decode graphs: start time and
-    graph memory); off (`--no-grammar-graphs`), such steps run eagerly."""
+    """Structured output: steps with a grammar (prompt, decode and verification steps) replay
+    device graphs of their own, captured at start beside the free ones (twice the graphs: start
+    time and graph memory); off (`--no-grammar-graphs`), such steps run eagerly."""
     force_host_drafts: bool = False
     """Copy draft IDs to the host after every drafting step even when the speculator's fixed
     width makes it unnecessary (benchmarks measure what avoiding the copy saves)."""

@@ -101,19 +101,22 @@ class StepGraphs:
         self.prompt_batches = sorted(set(prompt_batches)) if self.prefill else []
         """(rows, tokens) buckets of several-prompt steps, each row at most max(prefill) tokens."""
         self.constrained = sorted(set(constrained))
-        """Verify widths of the decode and verification steps captured applying the token masks
-        (structured output: K, or the grammar's forced drafts without a speculator); prompt steps
-        under a grammar run eagerly."""
+        """Verify widths of the decode and verification steps captured a second time applying the
+        token masks (structured output: K, or the grammar's forced drafts without a speculator);
+        with any, the prompt steps are captured applying them too."""
         self.graphs: dict[StepShape, tuple[DeviceGraph, DeviceOutputs]] = {}
         self.pool: object | None = None
         self.buffer_ptr = 0
         self.num_replays = 0
 
     def shapes(self) -> list[StepShape]:
-        batches = [self._batch_shape(rows, tokens, greedy, filt, propose) for propose in self.propose_widths
-                   for rows, tokens in reversed(self.prompt_batches) for greedy, filt in SAMPLING_KINDS]
-        prompts = [self._prefill_shape(tokens, greedy, filt, propose) for propose in self.propose_widths
-                   for tokens in reversed(self.prefill) for greedy, filt in SAMPLING_KINDS]
+        masks = (False, True) if self.constrained else (False,)
+        batches = [self._batch_shape(rows, tokens, greedy, filt, propose, masked) for masked in masks
+                   for propose in self.propose_widths for rows, tokens in reversed(self.prompt_batches)
+                   for greedy, filt in SAMPLING_KINDS]
+        prompts = [self._prefill_shape(tokens, greedy, filt, propose, masked) for masked in masks
+                   for propose in self.propose_widths for tokens in reversed(self.prefill)
+                   for greedy, filt in SAMPLING_KINDS]
         kinds = [(False, self.verify_widths)] + ([(True, self.constrained)] if self.constrained else [])
         return batches + prompts + [self._shape(rows, verify, greedy, filt, propose, masked)
                                     for masked, widths in kinds for verify in widths for propose in self.propose_widths
@@ -127,13 +130,15 @@ class StepGraphs:
                          constrained=constrained)
 
     @staticmethod
-    def _prefill_shape(tokens: int, all_greedy: bool, any_filter: bool, propose: int = 0) -> StepShape:
+    def _prefill_shape(tokens: int, all_greedy: bool, any_filter: bool, propose: int = 0,
+                       constrained: bool = False) -> StepShape:
         return StepShape(rows=1, tokens=tokens, verify_width=0, max_query_len=tokens, all_greedy=all_greedy,
-                         any_filter=any_filter, propose_width=propose)
+                         any_filter=any_filter, propose_width=propose, constrained=constrained)
 
-    def _batch_shape(self, rows: int, tokens: int, all_greedy: bool, any_filter: bool, propose: int = 0) -> StepShape:
+    def _batch_shape(self, rows: int, tokens: int, all_greedy: bool, any_filter: bool, propose: int = 0,
+                     constrained: bool = False) -> StepShape:
         return StepShape(rows=rows, tokens=tokens, verify_width=0, max_query_len=max(self.prefill),
-                         all_greedy=all_greedy, any_filter=any_filter, propose_width=propose)
+                         all_greedy=all_greedy, any_filter=any_filter, propose_width=propose, constrained=constrained)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -167,7 +172,7 @@ class StepGraphs:
         """The captured shape that serves this step, or None (run it eagerly)."""
         if not self.graphs or shape.any_penalty or shape.logprobs >= 0:  # graphs skip counting and logprobs
             return None
-        if shape.constrained and not shape.decode_like:
+        if shape.constrained and not self.constrained:
             return None
         any_filter = shape.any_filter and not shape.all_greedy
         if shape.decode_like:
@@ -181,12 +186,12 @@ class StepGraphs:
             tokens = next((b for b in self.prefill if b >= shape.tokens), None)
             if tokens is None:
                 return None
-            padded = self._prefill_shape(tokens, shape.all_greedy, any_filter, shape.propose_width)
+            padded = self._prefill_shape(tokens, shape.all_greedy, any_filter, shape.propose_width, shape.constrained)
         elif shape.verify_width == 0 and self.prefill and shape.max_query_len <= max(self.prefill):  # several prompts
             bucket = next(((r, t) for r, t in self.prompt_batches if r >= shape.rows and t >= shape.tokens), None)
             if bucket is None:
                 return None
-            padded = self._batch_shape(*bucket, shape.all_greedy, any_filter, shape.propose_width)
+            padded = self._batch_shape(*bucket, shape.all_greedy, any_filter, shape.propose_width, shape.constrained)
         else:
             return None
         if self._buffer_ptr() != self.buffer_ptr:  # a bigger step grew the plan buffer the graphs read

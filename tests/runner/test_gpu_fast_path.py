@@ -210,9 +210,9 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 @pytest.mark.parametrize("spec", [{}, {"speculator": "mtp", "num_speculative_tokens": 3}])
 def test_structured_steps_replay_graphs_and_equal_the_eager_engine(model_path: Path, tokenizer,  # type: ignore[no-untyped-def]
                                                                    spec: dict) -> None:
-    """Decode and verification steps with a grammar replay the graphs captured with the token
-    masks (a prompt step under a grammar runs eagerly), the output equals the eager engine's in
-    float32, and a constrained decode step launches without a host synchronisation."""
+    """Prompt, decode and verification steps with a grammar replay the graphs captured with the
+    token masks, the output equals the eager engine's in float32, and a constrained decode step
+    launches without a host synchronisation."""
     from speckernel.sampling_params import StructuredOutput
 
     structured = StructuredOutput.of_schema(SCHEMA)
@@ -224,7 +224,7 @@ def test_structured_steps_replay_graphs_and_equal_the_eager_engine(model_path: P
     fast = run(core, ids, params)
     assert fast == eager
     steps = core.stats()
-    assert steps["num_steps"] - steps["num_graph_steps"] <= 2 * len(ids), "the decode steps replayed, constrained"
+    assert steps["num_steps"] - steps["num_graph_steps"] <= len(ids), "the constrained steps replayed"
     core.add_request(AddRequest(9, ids[0], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True,
                                                           structured=StructuredOutput(regex="[a-z ]{150,190}"))))
     for _ in range(3):

@@ -263,6 +263,29 @@ def test_replayed_constrained_steps_equal_eager_steps() -> None:
     same_kv(eager, replayed)
 
 
+def test_replayed_constrained_prompt_steps_equal_eager_steps() -> None:
+    """A prompt under a grammar samples its first token under the mask too: one-row prompt steps
+    and a step of several prompts replay the graphs captured with the masks."""
+    eager, replayed = runner(False), runner(True, prefill=(8, 16), batches=((2, 24),), verify=(0,),
+                                            kinds=((True, False),))
+    assert replayed.graphs is not None
+    replayed.graphs.constrained = [0]
+    replayed.graphs.graphs.clear()
+    replayed.graphs.capture()
+    rng = np.random.default_rng(9)
+    p = {s: rng.integers(0, TINY.vocab_size, n).tolist() for s, n in ((0, 5), (1, 12), (2, 9))}
+    allowed = {0: {4, 33}, 1: {50}, 2: {6, 7, 61}}
+    row = {s: ScheduledRow(s, 0, s, 0, p[s], blocks(s), sampling(0, 0), token_bitmask=bitmask(allowed[s])) for s in p}
+    frames = [StepFrame(0, [row[0]]), StepFrame(1, [row[1]]),  # buckets 8 and 16
+              StepFrame(2, [row[2], ScheduledRow(3, 0, 3, 0, [9, 8, 7], blocks(3), sampling(0, 0))])]  # (2, 24)
+    outs = {name: [r.execute(f) for f in frames] for name, r in (("eager", eager), ("replayed", replayed))}
+    assert outs["eager"] == outs["replayed"]
+    got = [res.rows[0].sampled[0] for res in outs["replayed"]]
+    assert [t in allowed[s] for s, t in zip((0, 1, 2), got, strict=True)] == [True, True, True], got
+    assert replayed.graphs.num_replays == 3, "every prompt step replayed, masks and all"
+    same_kv(eager, replayed)
+
+
 def test_constrained_steps_run_eagerly_without_their_graphs() -> None:
     """Graphs captured without masks never serve a step with a grammar (they would drop it)."""
     r = runner(True, verify=(0,), kinds=((True, False),))
