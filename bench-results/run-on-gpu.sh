@@ -43,7 +43,9 @@ case " ${PARTS:-checks} " in *" checks "*) {
     --temperature 0 --json --platform cuda
   echo "== GPU-side tests (Triton kernels for real, graphs vs eager, no host sync, sampling, verification)"
   timeout "${CHECKS_TIMEOUT:-420}" python3 -m pytest -q ${CHECK_TESTS:-tests/runner/test_gpu_fast_path.py \
-    tests/runner/test_step_graphs.py tests/platforms/test_platform_contract.py tests/ops/test_triton_kernels.py \
+    tests/runner/test_step_graphs.py tests/runner/test_draft_copies.py tests/runner/test_step_plan.py \
+    tests/engine/test_pipeline_gpu.py tests/transports/test_processes.py tests/transports/test_conformance.py \
+    tests/engine/test_data_parallel.py tests/platforms/test_platform_contract.py tests/ops/test_triton_kernels.py \
     tests/runner/test_sampler.py tests/runner/test_verify.py} -p no:cacheprovider 2>&1 | tail -40
 } > "$work/cuda_checks.txt" 2>&1
 timings+=("cuda_checks $(( SECONDS - started ))")
@@ -60,7 +62,9 @@ bench hostsync hostsync --platform cuda --speculator ngram --max-tokens 256 --nu
 bench prefill prefill --platform cuda --speculator ngram --prompt-tokens 1200 --num-prompts 64 --concurrency 1,16
 bench remote remote --platform cuda --dtype bfloat16 --method eagle3 --num-speculative-tokens 3 --max-tokens 128 \
   --num-prompts 4
-bench pp pp --platform cuda --dtype bfloat16 --speculator mtp
+bench pp pp --platform cuda --dtype bfloat16 --max-tokens 128 --num-prompts 64 --speculator mtp --pipeline-sizes 1,2 \
+  --dp-ranks process
+bench grammar grammar --platform cuda --dtype bfloat16
 for dtype in $dtypes; do
   bench "accept_$dtype" accept --platform cuda --dtype "$dtype" --max-tokens 256
 done
@@ -108,6 +112,16 @@ if (r := load("prefill")):
         rows.append(("prefill", f"{run['speculator']} skip={run['skip_drafts']} c={run['concurrency']}",
                      f"{run['prefill_tokens_per_s']:.0f} tok/s, K=0 steps {run['spec']['num_k0_steps']}, "
                      f"{f(run['ratio_to_no_skip'])}x no skip"))
+if (r := load("pp")):
+    for run in r["runs"]:
+        rows.append(("pp", f"{run['speculator']} PP={run['pipeline_parallel_size']} DP={run['data_parallel_size']} "
+                     f"c={run['concurrency']}", f"{run['tokens_per_s']:.0f} tok/s, {f(run['ratio_to_pp1'])}x PP=1, "
+                     f"step {f(run['step_period_ms'])} ms, bubbles {f(run.get('bubble_mean'), '.0%')}"))
+if (r := load("grammar")):
+    for run in r["runs"]:
+        rows.append(("grammar", f"{run['speculator']} {run['mode']} c={run['concurrency']}",
+                     f"{run['tokens_per_s']:.0f} tok/s, {f(run['ratio_to_free'])}x free, graph steps "
+                     f"{run['num_graph_steps']}/{run['num_steps']}, device gap {f(run.get('device_gap_ms'))} ms"))
 for d in sorted(out.glob("accept_*")):
     r = json.loads((d / "accept.json").read_text())
     for name, run in r["runs"].items():
