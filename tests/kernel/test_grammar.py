@@ -96,3 +96,32 @@ def test_one_call_fills_every_rows_masks_as_one_at_a_time_would(grammars, tokeni
     assert fill_masks(rows) == want
     assert [len(m) for m in want] == [4 * g.words * (len(d) + 1) for g, d in rows]
     assert apples.matcher.try_consume_tokens(ids(tokenizer, "7 apples")) == len(ids(tokenizer, "7 apples"))  # unmoved
+
+
+def test_forced_tokens_lead_a_rows_drafts_and_the_speculators_fill_the_rest(grammars, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The grammar's forced tokens take the positions they force; the speculator's drafts at those
+    positions are dropped (they guess what is known), its later drafts follow, so both kinds count."""
+    from speckernel.kernel.block_manager import BlockManager
+    from speckernel.kernel.request import Request
+    from speckernel.kernel.scheduler import Scheduler
+
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=100, grammar_drafts=4)
+    params = SamplingParams(max_tokens=32, structured=StructuredOutput(regex="The answer is: [0-9]+"))
+    req = Request(1, ids(tokenizer, "Say it."), params, 0, (), 10_000)
+    req.attach_grammar(grammars.matcher(grammars.compile(params.structured)))  # type: ignore[arg-type]
+    sched.add(req)
+    assert sched.schedule() is not None
+    req.in_flight -= 1  # the prompt step landed and sampled "The", as the ledger would apply it
+    req.num_placeholders -= 1
+    req.output_token_ids.append(ids(tokenizer, "The")[0])
+    req.grammar.sync(req.output_token_ids)  # type: ignore[union-attr]
+    forced = req.grammar.forced(4)  # type: ignore[union-attr]
+    digits = ids(tokenizer, "The answer is: 12")[len(forced) + 1 :]
+    assert len(forced) == 4 and digits, (forced, digits)
+    wrong = ids(tokenizer, "no idea at all")[: len(forced)]
+    req.draft_token_ids = wrong + digits  # the speculator's guesses for the same positions, then more
+    frame = sched.schedule()
+    assert frame is not None
+    (row,) = frame.rows
+    assert row.num_forced == len(forced)
+    assert row.draft_token_ids == forced + digits

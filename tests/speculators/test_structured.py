@@ -91,7 +91,7 @@ def test_forced_tokens_are_free_drafts_and_change_nothing(prompts, plain_core) -
     one_a_step = EngineCore(EngineConfig(platform="cpu", max_model_len=512, grammar_drafts=False))
     assert forced == run(one_a_step, prompts)
     spec = core.stats()["spec"]
-    assert spec["num_forced_drafts"] > 0 and spec["num_forced_accepted"] > 0, spec
+    assert spec["num_forced_drafts"] > 0 and spec["num_forced_accepted"] == spec["num_forced_drafts"], spec
     assert spec["num_draft_tokens"] == 0, "forced drafts counted as a speculator's"
     assert one_a_step.stats()["spec"]["num_forced_drafts"] == 0
     assert core.num_steps < one_a_step.num_steps
@@ -114,6 +114,9 @@ def test_speculative_structured_output_equals_plain(name: str, prompts, plain, t
     assert spec["num_draft_tokens"] > 0, "no draft was verified: the test proves nothing"
     assert spec["num_host_draft_copies"] > 0  # structured rows take the drafts to the host, fixed width too
     assert spec["num_forced_drafts"] > 0  # ahead of the speculator's drafts
+    # Greedy, a forced token is the only one the target may take there: never rejected, which also
+    # says they stand ahead of the speculator's (one behind a rejected draft would be dropped).
+    assert spec["num_forced_accepted"] == spec["num_forced_drafts"], spec
 
 
 def test_a_request_aborted_while_its_grammar_compiles_never_runs(core) -> None:  # type: ignore[no-untyped-def]

@@ -249,22 +249,48 @@ def test_pp_layouts_start_with_pp1_and_count_dp1_once() -> None:
 
 @pytest.mark.slow
 def test_grammar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The real model (the grammar needs its vocabulary), a few short requests: every constraint
-    beside free text, with and without a speculator; a constrained row waits for its step's tokens,
-    so the device waits for the host between its steps, and the report says how long."""
-    report, rows = bench("grammar", ["--platform", "cpu", "--max-tokens", "10", "--num-prompts", "2",
+    """The real model (the grammar needs its vocabulary), one short request: every constraint beside
+    free text, with and without a speculator and forced drafts; a constrained row waits for its
+    step's tokens, so the device waits for the host between its steps, and the report says how long."""
+    report, rows = bench("grammar", ["--platform", "cpu", "--max-tokens", "8", "--num-prompts", "1",
                                      "--concurrency", "1", "--speculator", "ngram"], tmp_path, monkeypatch)
     runs = report["runs"]
-    assert [(r["speculator"], r["mode"]) for r in runs] == [
-        (s, m) for s in ("none", "ngram") for m in ("free", "json_schema", "json_object")]
+    modes = ("free", "json_schema", "boilerplate", "json_object", "regex", "choice")
+    assert [(r["speculator"], r["forced_drafts"], r["mode"]) for r in runs] == [
+        (s, f, m) for s in ("none", "ngram") for f in (True, False) for m in modes]
     for r in runs:
         assert set(r) >= STREAM_KEYS | {"ratio_to_free", "valid_outputs", "identical_to_none", "num_device_gaps",
-                                        "device_gap_ms", "device_gap_share"}
-        assert r["identical_to_none"] == r["num_requests"] == 2  # greedy float32: speculation changes no token
+                                        "device_gap_ms", "device_gap_share", "identical_to_no_forced"}
+        # greedy float32: neither speculation nor forced drafts change a token
+        assert r["identical_to_none"] == r["identical_to_no_forced"] == r["num_requests"] == 1
+        assert r["num_forced_accepted"] == r["num_forced_drafts"], "a forced draft is the only token greedy can take"
+        if not r["forced_drafts"]:
+            assert r["num_forced_drafts"] == 0
+        elif r["mode"] in ("json_schema", "boilerplate"):  # a fixed key, an enum of one value
+            assert r["num_forced_drafts"] > 0, r
         if r["mode"] != "free":  # every step of a constrained row waits for the one before
-            assert r["num_device_gaps"] >= r["num_steps"] - 2 * r["num_requests"], r
+            assert r["num_device_gaps"] >= r["num_steps"] - 2, r
             assert r["device_gap_ms"] > 0 and 0 < r["device_gap_share"] < 1
-    assert len(rows) == len(runs) and rows[1].startswith("| none | json_schema | 1 |")
+    assert r["mode"] == "choice" and r["valid_outputs"] == 1, "a choice fits in 8 tokens"
+    assert len(rows) == len(runs) and rows[1].startswith("| none | on | json_schema | 1 |")
+
+
+def test_grammar_validators_check_every_constraint() -> None:
+    from speckernel.tools.bench.grammar import valid
+
+    person = {"full_name": "Ada", "age_in_years": 36,
+              "home_address": {"street_address": "1 Rue", "city_name": "Paris", "country_code": "FR"},
+              "employment_status": "retired"}
+    record = {"record_type": "person_profile", "schema_version": "2024-01-01", "person": person}
+    assert valid(json.dumps(record), "boilerplate")
+    assert not valid(json.dumps(record | {"schema_version": "2025"}), "boilerplate"), "an enum value"
+    assert not valid(json.dumps(record | {"person": person | {"age_in_years": "36"}}), "boilerplate"), "a type"
+    assert not valid(json.dumps(record | {"person": {**person, "extra": 1}}), "boilerplate"), "an extra field"
+    assert valid('{"name": "Ada", "age": 36, "city": "Paris", "hobbies": ["chess"]}', "json_schema")
+    assert not valid('{"name": "Ada", "age": true, "city": "Paris", "hobbies": []}', "json_schema")
+    assert valid("Ada is 36 years old and lives in Paris.", "regex") and not valid("Ada is 36.", "regex")
+    assert valid("a chef", "choice") and not valid("a cook", "choice")
+    assert valid('{"a": 1}', "json_object") and not valid("[1]", "json_object") and valid("anything", "free")
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@ from typing import Any
 SCENARIOS = {
     "accept": "acceptance per speculator on HumanEval",
     "decode": "decode speed at batch 1 and under concurrency, per speculator, next to HF transformers",
-    "grammar": "structured output (JSON schema, json_object) against free text, with and without speculators",
+    "grammar": "structured output (JSON schemas, json_object, regex, choice) against free text, with and without "
+               "speculators and forced drafts",
     "hostsync": "a fixed-width speculator with and without copying draft IDs to the host",
     "invariant": "the batch-invariant mode against the default: tokens/s and outputs equal to plain greedy",
     "loop": "the kernel's host work a step and a row (schedule + apply, a stand-in runner), on the CPU",
@@ -204,11 +205,20 @@ def prefill_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def grammar_arguments(p: argparse.ArgumentParser) -> None:
-    speculator_flags(p, "repeatable; default: ngram, mtp and dflash; runs next to none")
+    speculator_flags(p, "repeatable; default: ngram, eagle3 and dflash; runs next to none")
     p.add_argument("--max-tokens", type=int, default=96, help="tokens per answer at most")
-    p.add_argument("--num-prompts", type=int, default=16, help="requests per run")
-    p.add_argument("--concurrency", type=int_list, default=[1, 16], help="comma-separated (default: 1,16)")
-    engine_flags(p, max_num_seqs=16, max_model_len=1024, process=False)
+    p.add_argument("--num-prompts", type=int, default=64, help="requests per run, at least the run's concurrency")
+    p.add_argument("--concurrency", type=int_list, default=[1, 16, 64], help="comma-separated (default: 1,16,64)")
+    p.add_argument("--forced-drafts", type=on_off_list, default=["on", "off"],
+                   help="verify the tokens a grammar forces as drafts: on, off or both (default: on,off)")
+    engine_flags(p, max_num_seqs=64, max_model_len=1024, process=False)
+
+
+def on_off_list(text: str) -> list[str]:
+    values = text.split(",")
+    if not values or any(v not in ("on", "off") for v in values):
+        raise argparse.ArgumentTypeError(f"expected on, off or on,off; got {text!r}")
+    return list(dict.fromkeys(values))
 
 
 def pp_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,20 +1,25 @@
-"""grammar: what structured output costs. The same JSON requests free, under a JSON schema and
-under json_object, each without and with each speculator, at each concurrency: tokens/s, TPOT,
-acceptance, drafts the grammar cut, the share of outputs that parse (and, under the schema,
-have its fields with their types), and whether the speculative output equals the same
-constraint's output without speculation token for token.
+"""grammar: what structured output costs. The same requests free and under each constraint (a
+JSON schema, a schema full of boilerplate: nested objects, enums and fixed keys, json_object, a
+regex, a choice), without and with each speculator, with and without the grammar's forced tokens
+verified as drafts, at each concurrency: tokens/s, TPOT, acceptance, forced drafts, drafts the
+grammar cut, graph steps, the device's gaps, the share of outputs that match their constraint,
+and whether the output equals the same constraint's output without speculation and without
+forced drafts, token for token.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any
+
+import msgspec
 
 from ... import registry
 from ...frontend.async_engine import AsyncEngine
 from ...sampling_params import SamplingParams, StructuredOutput
-from .command import base_config, cell, device_name, header, preamble, ratio, with_speculator
+from .command import MISSING, base_config, cell, device_name, header, preamble, ratio, with_speculator
 from .streams import identical, run_streams, warm_up
 
 SCHEMA: dict[str, Any] = {
@@ -24,7 +29,34 @@ SCHEMA: dict[str, Any] = {
     "required": ["name", "age", "city", "hobbies"],
     "additionalProperties": False,
 }
-TYPES = {"string": str, "integer": int, "array": list}
+ADDRESS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"street_address": {"type": "string"}, "city_name": {"type": "string"},
+                   "country_code": {"enum": ["FR", "DE", "IT", "ES", "GB", "US"]}},
+    "required": ["street_address", "city_name", "country_code"],
+    "additionalProperties": False,
+}
+BOILERPLATE: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "record_type": {"enum": ["person_profile"]},
+        "schema_version": {"enum": ["2024-01-01"]},
+        "person": {
+            "type": "object",
+            "properties": {"full_name": {"type": "string"}, "age_in_years": {"type": "integer"},
+                           "home_address": ADDRESS,
+                           "employment_status": {"enum": ["employed", "self_employed", "student", "retired"]}},
+            "required": ["full_name", "age_in_years", "home_address", "employment_status"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["record_type", "schema_version", "person"],
+    "additionalProperties": False,
+}
+"""Long fixed keys, enums with one value, nested objects: most of its tokens are forced."""
+REGEX = r"[A-Z][a-z]+ is [0-9]{2} years old and lives in [A-Z][a-z]+\."
+CHOICES = ("a teacher", "a chef", "an astronaut", "a student")
+TYPES = {"string": str, "integer": int, "array": list, "object": dict}
 
 REQUESTS = (
     "Describe a fictional person as JSON with their name, age, city and hobbies.",
@@ -36,110 +68,146 @@ REQUESTS = (
     "Return JSON about a fictional astronaut: name, age, city and hobbies.",
     "Describe, in JSON, a person who has just moved to a new city, with their hobbies.",
 )
-MODES = ("free", "json_schema", "json_object")
+MODES = ("free", "json_schema", "boilerplate", "json_object", "regex", "choice")
 
 
 def constraint(mode: str) -> StructuredOutput | None:
-    if mode == "json_schema":
-        return StructuredOutput.of_schema(SCHEMA)
-    if mode == "json_object":
-        return StructuredOutput(json_object=True)
-    return None
+    return {"json_schema": StructuredOutput.of_schema(SCHEMA), "boilerplate": StructuredOutput.of_schema(BOILERPLATE),
+            "json_object": StructuredOutput(json_object=True), "regex": StructuredOutput(regex=REGEX),
+            "choice": StructuredOutput(choice=CHOICES)}.get(mode)
+
+
+def matches(value: Any, schema: dict[str, Any]) -> bool:
+    """value against the subset of JSON schema the bench's schemas use (objects with exactly their
+    properties, enums, strings, integers, arrays of strings)."""
+    if "enum" in schema:
+        return value in schema["enum"]
+    kind = schema["type"]
+    if kind == "object":
+        props = schema["properties"]
+        return isinstance(value, dict) and set(value) == set(props) and all(
+            matches(value[k], p) for k, p in props.items())
+    if kind == "array":
+        return isinstance(value, list) and all(matches(v, schema["items"]) for v in value)
+    return isinstance(value, TYPES[kind]) and not isinstance(value, bool)
 
 
 def valid(text: str, mode: str) -> bool:
-    """Parses as JSON; under the schema, an object with exactly its fields, of their types."""
+    """The output matches its constraint: free text always; a regex or choice exactly; JSON that
+    parses, and under a schema has exactly its fields, with their types and enum values."""
+    if mode in ("free", "regex", "choice"):
+        return mode == "free" or (re.fullmatch(REGEX, text) is not None if mode == "regex" else text in CHOICES)
     try:
         value = json.loads(text)
     except ValueError:
         return False
-    if mode == "json_schema":
-        props = SCHEMA["properties"]
-        return (isinstance(value, dict) and set(value) == set(props)
-                and all(isinstance(value[k], TYPES[p["type"]]) and not isinstance(value[k], bool)
-                        for k, p in props.items())
-                and all(isinstance(h, str) for h in value["hobbies"]))
-    return mode == "free" or isinstance(value, dict)
+    if mode in ("json_schema", "boilerplate"):
+        return matches(value, SCHEMA if mode == "json_schema" else BOILERPLATE)
+    return isinstance(value, dict)
+
+
+def _delta(before: dict[str, Any], after: dict[str, Any], key: str) -> int:
+    return int(after["spec"].get(key, 0) - before["spec"].get(key, 0))
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
-    reference: dict[tuple[str, int], list[list[int]]] = {}
+    outputs_of: dict[tuple[str, bool, str, int], list[list[int]]] = {}
     info: Any = None
-    for name in [None, *(args.speculator or ["ngram", "mtp", "dflash"])]:
-        config = with_speculator(base_config(args), args, name)
-        async with AsyncEngine(config) as engine:
-            info = engine.info
-            prompts = [engine.encode_chat([{"role": "user", "content": REQUESTS[i % len(REQUESTS)]}])
-                       for i in range(args.num_prompts)]
-            await warm_up(engine, prompts, SamplingParams(max_tokens=8, temperature=0.0), tuple(args.concurrency))
-            for mode in MODES:
-                params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured=constraint(mode))
-                for c in args.concurrency:
-                    before = await engine.stats()
-                    r = await run_streams(engine, prompts, params, c, f"grammar {name or 'none'} {mode} c={c}")
-                    after = await engine.stats()
-                    outputs = r.pop("outputs")
-                    r.pop("requests")
-                    texts = [engine.tokenizer.decode(o) for o in outputs]
-                    key = (mode, c)
-                    reference.setdefault(key, outputs)
-                    runs.append({"speculator": config.speculator or "none", "mode": mode,
-                                 "num_invalid_drafts": after["spec"].get("num_invalid_drafts", 0)
-                                 - before["spec"].get("num_invalid_drafts", 0),
-                                 "valid_outputs": sum(valid(t, mode) for t in texts),
-                                 "identical_to_none": identical(outputs, reference[key])} | r)
+    for name in [None, *(args.speculator or ["ngram", "eagle3", "dflash"])]:
+        for forced in args.forced_drafts:
+            config = msgspec.structs.replace(with_speculator(base_config(args), args, name),
+                                             grammar_drafts=forced == "on")
+            async with AsyncEngine(config) as engine:
+                info = engine.info
+                prompts = [engine.encode_chat([{"role": "user", "content": REQUESTS[i % len(REQUESTS)]}])
+                           for i in range(args.num_prompts)]
+                await warm_up(engine, prompts, SamplingParams(max_tokens=8, temperature=0.0), tuple(args.concurrency))
+                for mode in MODES:
+                    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured=constraint(mode))
+                    for c in args.concurrency:
+                        desc = f"grammar {name or 'none'} forced={forced} {mode} c={c}"
+                        before = await engine.stats()
+                        r = await run_streams(engine, prompts, params, c, desc)
+                        after = await engine.stats()
+                        outputs = r.pop("outputs")
+                        r.pop("requests")
+                        spec = config.speculator or "none"
+                        outputs_of[(spec, forced == "on", mode, c)] = outputs
+                        runs.append({"speculator": spec, "forced_drafts": forced == "on", "mode": mode,
+                                     "num_invalid_drafts": _delta(before, after, "num_invalid_drafts"),
+                                     "num_forced_drafts": _delta(before, after, "num_forced_drafts"),
+                                     "num_forced_accepted": _delta(before, after, "num_forced_accepted"),
+                                     "valid_outputs": sum(valid(engine.tokenizer.decode(o), mode) for o in outputs)}
+                                    | r)
     for r in runs:
-        free = next(x for x in runs if x["speculator"] == r["speculator"] and x["mode"] == "free"
-                    and x["concurrency"] == r["concurrency"])
+        key = (r["speculator"], r["forced_drafts"], r["mode"], r["concurrency"])
+        free = next(x for x in runs if (x["speculator"], x["forced_drafts"], x["mode"], x["concurrency"])
+                    == (key[0], key[1], "free", key[3]))
         r["ratio_to_free"] = ratio(r["tokens_per_s"], free["tokens_per_s"])
+        same = [outputs_of.get(("none", key[1], key[2], key[3])), outputs_of.get((key[0], False, key[2], key[3]))]
+        r["identical_to_none"] = identical(outputs_of[key], same[0]) if same[0] is not None else None
+        r["identical_to_no_forced"] = identical(outputs_of[key], same[1]) if same[1] is not None else None
     return header("grammar") | {
         "platform": info.platform, "dtype": info.dtype,
         "device": device_name(registry.pick_platform(info.platform).device),
         "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
-        "num_speculative_tokens": args.num_speculative_tokens, "schema": SCHEMA, "runs": runs,
+        "num_speculative_tokens": args.num_speculative_tokens, "schema": SCHEMA, "boilerplate_schema": BOILERPLATE,
+        "regex": REGEX, "choices": list(CHOICES), "runs": runs,
     }
 
 
 def markdown(report: dict[str, Any]) -> list[str]:
-    lines = preamble(report, f"Structured output: {report['num_prompts']} JSON requests, greedy, max_tokens "
+    lines = preamble(report, f"Structured output: {report['num_prompts']} requests, greedy, max_tokens "
                              f"{report['max_tokens']}, K={report['num_speculative_tokens']} unless the speculator says")
     lines += [
-        "free: no constraint; json_schema: the schema below (llguidance); json_object: any JSON object. "
-        "vs free: tokens/s over the same speculator's free run at the same concurrency. Valid: parses, and under "
-        "the schema has exactly its fields with their types. Identical: token for token the output of the same "
-        "constraint without speculation. Device gaps: the device waiting for the host between two steps with "
-        "nothing else in flight (a constrained row waits for its step's tokens before its next mask), from the "
-        "result to the return of the next launch: the mean gap and the gaps' share of the run (on the CPU a "
-        "launch runs the step itself, so there a gap includes the step).",
+        "free: no constraint; json_schema and boilerplate: the schemas below (llguidance); json_object: any JSON "
+        "object; regex and choice: below. forced: the tokens a grammar forces are verified as drafts (on) or decoded "
+        "one a step (off). vs free: tokens/s over the free run of the same speculator and forced setting at the "
+        "same concurrency. Forced: forced drafts accepted / verified. Valid: matches its constraint (JSON that "
+        "parses, with exactly a schema's fields, types and enum values). Identical: token for token the output of "
+        "the same constraint without speculation (same forced setting), and without forced drafts (same "
+        "speculator). Device gaps: the device waiting for the host between two steps with nothing else in flight "
+        "(a constrained row waits for its step's tokens before its next mask), from the result to the return of "
+        "the next launch: the mean gap and the gaps' share of the run (on the CPU a launch runs the step itself, "
+        "so there a gap includes the step).",
         "",
-        "| speculator | constraint | concurrency | tokens/s | vs free | TPOT p50 ms | mean acceptance length "
-        "| drafts cut by the grammar | graph steps | device gap ms | device gap share | valid | identical to none |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| speculator | forced | constraint | concurrency | tokens/s | vs free | TPOT p50 ms | mean acceptance length "
+        "| forced accepted | drafts cut by the grammar | graph steps | device gap ms | device gap share | valid "
+        "| identical to none | identical to forced off |",
+        "|---" * 16 + "|",
     ]
     for r in report["runs"]:
+        n = r["num_requests"]
         lines.append(
-            f"| {r['speculator']} | {r['mode']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | "
-            f"{cell(r['ratio_to_free'])} | {cell(r['tpot_p50_ms'])} | {cell(r['spec'].get('mean_acceptance_length'))} "
+            f"| {r['speculator']} | {'on' if r['forced_drafts'] else 'off'} | {r['mode']} | {r['concurrency']} "
+            f"| {r['tokens_per_s']:.1f} | {cell(r['ratio_to_free'])} | {cell(r['tpot_p50_ms'])} "
+            f"| {cell(r['spec'].get('mean_acceptance_length'))} | {r['num_forced_accepted']}/{r['num_forced_drafts']} "
             f"| {r['num_invalid_drafts']} | {r['num_graph_steps']}/{r['num_steps']} "
-            f"| {cell(r['device_gap_ms'], '.2f')} | {cell(r['device_gap_share'], '.0%')} "
-            f"| {r['valid_outputs']}/{r['num_requests']} | "
-            f"{r['identical_to_none']}/{r['num_requests']} |")
-    lines += ["", f"Schema: `{json.dumps(report['schema'])}`"]
+            f"| {cell(r['device_gap_ms'], '.2f')} | {cell(r['device_gap_share'], '.0%')} | {r['valid_outputs']}/{n} "
+            f"| {_of(r['identical_to_none'], n)} | {_of(r['identical_to_no_forced'], n)} |")
+    lines += ["", f"json_schema: `{json.dumps(report['schema'])}`", "",
+              f"boilerplate: `{json.dumps(report['boilerplate_schema'])}`", "",
+              f"regex: `{report['regex']}`; choice: {', '.join(report['choices'])}"]
     return lines
+
+
+def _of(count: int | None, n: int) -> str:
+    return MISSING if count is None else f"{count}/{n}"
 
 
 def plot(report: dict[str, Any], plt: Any) -> Any:
     concurrencies = report["concurrency"]
     fig, axes = plt.subplots(1, len(concurrencies), figsize=(5 * len(concurrencies), 4), squeeze=False)
+    runs = [r for r in report["runs"] if r["forced_drafts"] or not any(x["forced_drafts"] for x in report["runs"])]
     for ax, c in zip(axes[0], concurrencies, strict=True):
-        specs = list(dict.fromkeys(r["speculator"] for r in report["runs"]))
+        specs = list(dict.fromkeys(r["speculator"] for r in runs))
         width = 0.8 / len(MODES)
         for j, mode in enumerate(MODES):
-            values = [next(r["tokens_per_s"] for r in report["runs"] if r["speculator"] == s and r["mode"] == mode
+            values = [next(r["tokens_per_s"] for r in runs if r["speculator"] == s and r["mode"] == mode
                            and r["concurrency"] == c) for s in specs]
             ax.bar([i + j * width for i in range(len(specs))], values, width, label=mode)
-        ax.set_xticks([i + width for i in range(len(specs))], specs)
+        ax.set_xticks([i + width * (len(MODES) - 1) / 2 for i in range(len(specs))], specs)
         ax.set_ylabel("generated tokens/s")
         ax.set_title(f"{report['platform']} {report['dtype']}, concurrency {c}")
         ax.legend(fontsize="small")
