@@ -209,9 +209,22 @@ def grammar_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=96, help="tokens per answer at most")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per run, at least the run's concurrency")
     p.add_argument("--concurrency", type=int_list, default=[1, 16, 64], help="comma-separated (default: 1,16,64)")
+    p.add_argument("--modes", type=grammar_modes, default=list(GRAMMAR_MODES),
+                   help="constraints to run, comma-separated (free always runs: the ratios' baseline; default: all of "
+                        + ", ".join(GRAMMAR_MODES) + ")")
     p.add_argument("--forced-drafts", type=on_off_list, default=["on", "off"],
                    help="verify the tokens a grammar forces as drafts: on, off or both (default: on,off)")
     engine_flags(p, max_num_seqs=64, max_model_len=1024, process=False)
+
+
+GRAMMAR_MODES = ("free", "json_schema", "boilerplate", "json_object", "regex", "choice")
+
+
+def grammar_modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in GRAMMAR_MODES for m in modes):
+        raise argparse.ArgumentTypeError(f"expected modes from {', '.join(GRAMMAR_MODES)}, got {text!r}")
+    return ["free", *(m for m in GRAMMAR_MODES[1:] if m in modes)]
 
 
 def on_off_list(text: str) -> list[str]:

@@ -19,6 +19,7 @@ import msgspec
 from ... import registry
 from ...frontend.async_engine import AsyncEngine
 from ...sampling_params import SamplingParams, StructuredOutput
+from .args import GRAMMAR_MODES
 from .command import MISSING, base_config, cell, device_name, header, preamble, ratio, with_speculator
 from .streams import identical, run_streams, warm_up
 
@@ -68,7 +69,6 @@ REQUESTS = (
     "Return JSON about a fictional astronaut: name, age, city and hobbies.",
     "Describe, in JSON, a person who has just moved to a new city, with their hobbies.",
 )
-MODES = ("free", "json_schema", "boilerplate", "json_object", "regex", "choice")
 
 
 def constraint(mode: str) -> StructuredOutput | None:
@@ -123,7 +123,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 prompts = [engine.encode_chat([{"role": "user", "content": REQUESTS[i % len(REQUESTS)]}])
                            for i in range(args.num_prompts)]
                 await warm_up(engine, prompts, SamplingParams(max_tokens=8, temperature=0.0), tuple(args.concurrency))
-                for mode in MODES:
+                for mode in args.modes:
                     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured=constraint(mode))
                     for c in args.concurrency:
                         desc = f"grammar {name or 'none'} forced={forced} {mode} c={c}"
@@ -153,7 +153,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": device_name(registry.pick_platform(info.platform).device),
         "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
         "num_speculative_tokens": args.num_speculative_tokens, "schema": SCHEMA, "boilerplate_schema": BOILERPLATE,
-        "regex": REGEX, "choices": list(CHOICES), "runs": runs,
+        "regex": REGEX, "choices": list(CHOICES), "modes": args.modes, "runs": runs,
     }
 
 
@@ -202,12 +202,13 @@ def plot(report: dict[str, Any], plt: Any) -> Any:
     runs = [r for r in report["runs"] if r["forced_drafts"] or not any(x["forced_drafts"] for x in report["runs"])]
     for ax, c in zip(axes[0], concurrencies, strict=True):
         specs = list(dict.fromkeys(r["speculator"] for r in runs))
-        width = 0.8 / len(MODES)
-        for j, mode in enumerate(MODES):
+        modes = report.get("modes", GRAMMAR_MODES)
+        width = 0.8 / len(modes)
+        for j, mode in enumerate(modes):
             values = [next(r["tokens_per_s"] for r in runs if r["speculator"] == s and r["mode"] == mode
                            and r["concurrency"] == c) for s in specs]
             ax.bar([i + j * width for i in range(len(specs))], values, width, label=mode)
-        ax.set_xticks([i + width * (len(MODES) - 1) / 2 for i in range(len(specs))], specs)
+        ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(specs))], specs)
         ax.set_ylabel("generated tokens/s")
         ax.set_title(f"{report['platform']} {report['dtype']}, concurrency {c}")
         ax.legend(fontsize="small")
