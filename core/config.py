@@ -107,6 +107,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Structured output: steps with a grammar (prompt, decode and verification steps) replay
     device graphs of their own, captured at start beside the free ones (twice the graphs: start
     time and graph memory); off (`--no-grammar-graphs`), such steps run eagerly."""
+    sampling_graphs: bool = True
+    """Steps where some row has a repetition, frequency or presence penalty or asks for logprobs
+    replay device graphs of their own (decode and verification steps, captured a third time:
+    start time and graph memory); off (`--no-sampling-graphs`), such steps run eagerly. A prompt
+    step with either, and a step with either under a grammar, run eagerly."""
     force_host_drafts: bool = False
     """Copy draft IDs to the host after every drafting step even when the speculator's fixed
     width makes it unnecessary (benchmarks measure what avoiding the copy saves)."""

@@ -44,7 +44,8 @@ def capture_graphs(runner: StepDevice, platform: Platform, config: EngineConfig,
                         prefill_tokens=prefill_buckets(max_tokens),
                         prompt_batches=prompt_batch_buckets(config.max_num_seqs, config.max_num_batched_tokens)
                         if config.prompts_apart and config.prompt_batches else (),
-                        constrained=runner.mask_widths if config.grammar_graphs else ())
+                        constrained=runner.mask_widths if config.grammar_graphs else (),
+                        full_sampling=(0, k) if config.sampling_graphs and runner.mask_widths else ())
     try:
         graphs.capture()
     except Exception:  # the engine still serves, eagerly; stats show no graph steps

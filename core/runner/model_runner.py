@@ -248,8 +248,8 @@ class ModelRunner:
         in-step drafting pass: all on the device, with shapes fixed by `shape` (a graph captures
         exactly this). A constrained shape applies the grammars' allowed tokens of every sampled
         position, from `masks` (filled before the step); logprob_rows [L]: the rows whose logprobs are
-        computed (shape.logprobs top alternatives, eager), from the same logits the step sampled
-        or verified with, at each position."""
+        computed (shape.logprobs top alternatives; None: every row's, as a captured graph does), from
+        the same logits the step sampled or verified with, at each position."""
         plan = STEP.on_device(meta)
         if self.run_ahead:
             self._move_back(meta)
@@ -267,10 +267,12 @@ class ModelRunner:
                                         self.isolate_speculator)
         packed = torch.cat([out, real_drafts[:, None].to(out.dtype), nacc[:, None].to(out.dtype)], dim=1)
         logprobs = logprob_ids = None
-        if logprob_rows is not None and shape.logprobs >= 0:
+        if shape.logprobs >= 0:
             # Position j of a verifying row holds the target's logits for its output token j, the
             # ones plain decoding computes for that token: speculation leaves the logprobs as they were.
-            logprobs, logprob_ids = token_logprobs(logits[logprob_rows], out[logprob_rows], shape.logprobs)
+            # A graph computes every row's (logprob_rows None); an eager step only those that asked.
+            picked = (logits, out) if logprob_rows is None else (logits[logprob_rows], out[logprob_rows])
+            logprobs, logprob_ids = token_logprobs(*picked, shape.logprobs)
         return DeviceOutputs(packed, hidden, captured, drafted.drafts, logprobs, logprob_ids, drafted.error)
 
     def _sample_or_verify(self, meta: AttentionMetadata, shape: StepShape, hidden: torch.Tensor,
@@ -354,16 +356,18 @@ class ModelRunner:
         if padded is not None:
             assert self.graphs is not None
             out = self.graphs.replay(padded)
+            asked_rows = list(range(len(frame.rows))) if asked else []  # the graph computed every row's
         else:
             logprob_rows = torch.tensor(asked, dtype=torch.int64, device=self.device) if asked else None
             out = self.device_step(meta, shape, logprob_rows)
+            asked_rows = asked
         if clock is not None:
             clock[1].record()  # before the step's copy, so the copy's event passing means this one did
         for r in frame.rows:
             self.pool.completed(r.slot, r.generation, frame.step_id)
-        copy = self._copy(frame, out)
+        copy = self._copy(frame, out, len(asked_rows))
         outcome = self.drafting.after(frame, meta, out, copy, self.isolate_speculator)
-        return PendingStep(lambda: self._timed(clock, self.finish(frame, copy, outcome, asked)), copy.ready)
+        return PendingStep(lambda: self._timed(clock, self.finish(frame, copy, outcome, asked_rows)), copy.ready)
 
     def _timed(self, clock: tuple[torch.Event, torch.Event] | None, result: StepResult) -> StepResult:
         """Adds a finished step's device time (its events passed: reading them waits for nothing)."""
@@ -381,16 +385,19 @@ class ModelRunner:
         """What the step's device work reads beyond the plan and the token buffer arrives here, in
         stream order, right before it runs (a pipeline stage's residual stream); nothing here."""
 
-    def _copy(self, frame: StepFrame, out: DeviceOutputs) -> StepCopy:
+    def _copy(self, frame: StepFrame, out: DeviceOutputs, num_logprob_rows: int) -> StepCopy:
         """The step's copy to the host, with the drafts proposed inside it where the host must see
-        them (K=0: a speculator that cannot skip drafting proposed all the same; they are dropped)."""
+        them (K=0: a speculator that cannot skip drafting proposed all the same; they are dropped),
+        and the first num_logprob_rows rows of its logprobs."""
         n = len(frame.rows)
         host_drafts = out.drafts is not None and frame.host_drafts and not frame.skip_drafts
-        logprobs = None if out.logprobs is None or out.logprob_ids is None else (out.logprobs, out.logprob_ids)
+        logprobs = None if out.logprobs is None or out.logprob_ids is None or not num_logprob_rows else (
+            out.logprobs[:num_logprob_rows], out.logprob_ids[:num_logprob_rows])
         return StepCopy(out.packed[:n], out.drafts[:n] if host_drafts and out.drafts is not None else None, logprobs)
 
     def finish(self, frame: StepFrame, copy: StepCopy, outcome: DraftOutcome, asked: list[int]) -> StepResult:
-        """The step's row results: its copy (waited for here) and its drafting outcome, folded."""
+        """The step's row results: its copy (waited for here) and its drafting outcome, folded.
+        asked: the row of each of the copy's logprobs (a row that did not ask for them gets none)."""
         values, width = copy.rows(), copy.width
         lp = copy.logprobs()
         row_logprobs = dict(zip(asked, zip(*lp, strict=True), strict=True)) if lp is not None else {}
@@ -407,7 +414,8 @@ class ModelRunner:
                 r.key, r.generation, sampled, r.num_drafts, v[width + 1],
                 next_draft_ids=None if next_ids is None else next_ids[i],
                 num_next_drafts=0 if next_ids is not None else outcome.num_next, num_drafted=v[width],
-                logprobs=logprobs_of(*row_logprobs[i], len(sampled), s.logprobs) if i in row_logprobs else None))
+                logprobs=logprobs_of(*row_logprobs[i], len(sampled), s.logprobs)
+                if s.logprobs >= 0 and i in row_logprobs else None))
         return StepResult(frame.step_id, rows, k0=outcome.k0, num_host_draft_copies=outcome.copies,
                           speculator_error=outcome.error)
 

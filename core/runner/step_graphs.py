@@ -27,6 +27,7 @@ from ..attention import AttentionMetadata
 from ..kernel.frame import StepFrame
 from ..ops.small_batch import MAX_ROWS
 from ..platform import DeviceGraph, Platform
+from ..sampling_params import MAX_LOGPROBS
 from .step_shape import DeviceOutputs, StepDevice, StepShape
 
 log = logmod.get("graphs")
@@ -88,7 +89,8 @@ def warm_eager(runner: StepDevice, verify_widths: Iterable[int], max_tokens: int
 class StepGraphs:
     def __init__(self, runner: StepDevice, platform: Platform, max_rows: int, verify_widths: Iterable[int],
                  propose_widths: Iterable[int] = (0,), prefill_tokens: Iterable[int] = (),
-                 prompt_batches: Iterable[tuple[int, int]] = (), constrained: Iterable[int] = ()) -> None:
+                 prompt_batches: Iterable[tuple[int, int]] = (), constrained: Iterable[int] = (),
+                 full_sampling: Iterable[int] = ()) -> None:
         self.runner = runner
         self.platform = platform
         self.buckets = row_buckets(max_rows)
@@ -104,6 +106,11 @@ class StepGraphs:
         """Verify widths of the decode and verification steps captured a second time applying the
         token masks (structured output: K, or the grammar's forced drafts without a speculator);
         with any, the prompt steps are captured applying them too."""
+        self.full_sampling = sorted(set(full_sampling))
+        """Verify widths of the decode and verification steps captured a third time counting tokens
+        for the penalties and computing every row's logprobs (the top MAX_LOGPROBS): a step where
+        some row has a penalty or asks for logprobs replays one of those (rows without either come
+        out exactly as they would have: their penalties are the identity)."""
         self.graphs: dict[StepShape, tuple[DeviceGraph, DeviceOutputs]] = {}
         self.pool: object | None = None
         self.buffer_ptr = 0
@@ -117,17 +124,20 @@ class StepGraphs:
         prompts = [self._prefill_shape(tokens, greedy, filt, propose, masked) for masked in masks
                    for propose in self.propose_widths for tokens in reversed(self.prefill)
                    for greedy, filt in SAMPLING_KINDS]
-        kinds = [(False, self.verify_widths)] + ([(True, self.constrained)] if self.constrained else [])
-        return batches + prompts + [self._shape(rows, verify, greedy, filt, propose, masked)
-                                    for masked, widths in kinds for verify in widths for propose in self.propose_widths
-                                    for rows in reversed(self.buckets) for greedy, filt in SAMPLING_KINDS]
+        kinds = [(False, False, self.verify_widths)] + ([(True, False, self.constrained)] if self.constrained else [])
+        kinds += [(False, True, self.full_sampling)] if self.full_sampling else []
+        return batches + prompts + [self._shape(rows, verify, greedy, filt, propose, masked, full)
+                                    for masked, full, widths in kinds for verify in widths
+                                    for propose in self.propose_widths for rows in reversed(self.buckets)
+                                    for greedy, filt in SAMPLING_KINDS]
 
     @staticmethod
     def _shape(rows: int, verify: int, all_greedy: bool, any_filter: bool, propose: int = 0,
-               constrained: bool = False) -> StepShape:
+               constrained: bool = False, full_sampling: bool = False) -> StepShape:
         return StepShape(rows=rows, tokens=rows * (verify + 1), verify_width=verify, max_query_len=verify + 1,
                          all_greedy=all_greedy, any_filter=any_filter, decode_like=True, propose_width=propose,
-                         constrained=constrained)
+                         constrained=constrained, any_penalty=full_sampling,
+                         logprobs=MAX_LOGPROBS if full_sampling else -1)
 
     @staticmethod
     def _prefill_shape(tokens: int, all_greedy: bool, any_filter: bool, propose: int = 0,
@@ -170,18 +180,20 @@ class StepGraphs:
 
     def padded(self, shape: StepShape) -> StepShape | None:
         """The captured shape that serves this step, or None (run it eagerly)."""
-        if not self.graphs or shape.any_penalty or shape.logprobs >= 0:  # graphs skip counting and logprobs
+        full = shape.any_penalty or shape.logprobs >= 0
+        if not self.graphs or (full and (shape.constrained or not shape.decode_like or not self.full_sampling)):
             return None
         if shape.constrained and not self.constrained:
             return None
         any_filter = shape.any_filter and not shape.all_greedy
         if shape.decode_like:
             rows = next((b for b in self.buckets if b >= shape.rows), None)
-            widths = self.constrained if shape.constrained else self.verify_widths
+            widths = self.full_sampling if full else self.constrained if shape.constrained else self.verify_widths
             verify = next((w for w in widths if w >= shape.verify_width), None)
             if rows is None or verify is None:
                 return None
-            padded = self._shape(rows, verify, shape.all_greedy, any_filter, shape.propose_width, shape.constrained)
+            padded = self._shape(rows, verify, shape.all_greedy, any_filter, shape.propose_width, shape.constrained,
+                                 full)
         elif shape.rows == 1 and shape.verify_width == 0:  # one row's prompt, or a chunk of it
             tokens = next((b for b in self.prefill if b >= shape.tokens), None)
             if tokens is None:

@@ -38,11 +38,11 @@ class StepShape:
     propose_width: int = 0
     """Drafts an in-step speculator proposes inside the step: K, or 0 (its sync pass, or none)."""
     any_penalty: bool = False
-    """Some row has a repetition, frequency or presence penalty: the step counts tokens (eagerly:
-    no graph is captured for it)."""
+    """Some row has a repetition, frequency or presence penalty: the step counts tokens (a step
+    without runs exactly the kernels it ran before)."""
     logprobs: int = -1
     """The most top alternatives a row of this step reports (-1: no row asked for logprobs). A
-    step with logprobs runs eagerly; one without runs exactly the kernels it ran before."""
+    captured graph computes MAX_LOGPROBS for every row; an eager step this many for the rows that asked."""
     constrained: bool = False
     """Some row samples under a grammar: the step applies the runner's token masks (graphs of
     decode and verification steps are captured with and without)."""
@@ -120,7 +120,8 @@ class StepDevice(Protocol):
     isolate_speculator: bool
     """Off while graphs are captured: a raising speculator pass then fails the capture."""
     mask_widths: tuple[int, ...]
-    """Verify widths of the steps with a grammar worth capturing (none: the step samples elsewhere)."""
+    """Verify widths of the steps with a grammar worth capturing (none: the step samples elsewhere,
+    so no graph of it applies masks, penalties or logprobs)."""
 
     def plan(self, frame: StepFrame, padded: StepShape | None) -> AttentionMetadata: ...
 

@@ -230,3 +230,45 @@ def test_structured_steps_replay_graphs_and_equal_the_eager_engine(model_path: P
     for _ in range(3):
         core.step()
     assert replayed_without_host_sync(core, 8, constrained=True) == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [{}, {"speculator": "mtp", "num_speculative_tokens": 3}])
+def test_steps_with_penalties_and_logprobs_replay_graphs_and_equal_the_eager_engine(  # type: ignore[no-untyped-def]
+        model_path: Path, tokenizer, spec: dict) -> None:
+    """Decode and verification steps where rows have penalties or ask for logprobs replay the
+    graphs captured for them: tokens equal the eager engine's in float32, logprobs up to the
+    last bits, and such a step launches without a host synchronisation."""
+    from speckernel.engine.core import EngineCore as Core
+
+    ids = prompts(tokenizer, ["Write a story about a dog:", "List ten fruits:", "Count from one to twenty:"])
+    params = [SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.3, logprobs=3),
+              SamplingParams(max_tokens=40, temperature=0.0, frequency_penalty=0.8),
+              SamplingParams(max_tokens=40, temperature=0.0, logprobs=1)]
+
+    def outputs(core: Core) -> dict[int, tuple[list[int], list[list[float]]]]:
+        for key, (p, sp) in enumerate(zip(ids, params, strict=True)):
+            core.add_request(AddRequest(key, p, sp))
+        out: dict[int, tuple[list[int], list[list[float]]]] = {key: ([], []) for key in range(len(ids))}
+        while core.scheduler.requests:
+            for delta in core.step():
+                out[delta.key][0].extend(delta.new_token_ids)
+                out[delta.key][1].extend([lp.logprob, *lp.top_logprobs] for lp in delta.logprobs or [])
+        return out
+
+    eager = outputs(Core(config(True, **spec)))
+    core = Core(config(False, **spec))
+    assert core.runner.graphs is not None and any(s.any_penalty for s in core.runner.graphs.graphs)
+    fast = outputs(core)
+    assert {k: v[0] for k, v in fast.items()} == {k: v[0] for k, v in eager.items()}
+    for key in fast:
+        assert len(fast[key][1]) == len(eager[key][1])
+        for a, b in zip(fast[key][1], eager[key][1], strict=True):
+            assert a == pytest.approx(b, abs=1e-3)
+    steps = core.stats()
+    assert steps["num_steps"] - steps["num_graph_steps"] <= len(ids), "the decode steps replayed"
+    core.add_request(AddRequest(9, ids[0], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True,
+                                                          presence_penalty=0.5, logprobs=2)))
+    for _ in range(3):
+        core.step()
+    assert replayed_without_host_sync(core, 8) == 8

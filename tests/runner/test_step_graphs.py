@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -89,10 +90,12 @@ class NoGraphPlatform:
 
 def runner(graphs: bool, prefill: tuple[int, ...] = (), fused: bool = False,
            batches: tuple[tuple[int, int], ...] = (), verify: tuple[int, ...] = (0, K),
-           kinds: tuple[tuple[bool, bool], ...] = SAMPLING_KINDS) -> ModelRunner:
+           kinds: tuple[tuple[bool, bool], ...] = SAMPLING_KINDS, constrained: tuple[int, ...] = (),
+           full_sampling: tuple[int, ...] = ()) -> ModelRunner:
     """fused: the model's Triton kernels, so decode and verification steps (at most 16 tokens) run
     on the small-batch kernels, padding tokens included. batches: (rows, tokens) of several-prompt
-    steps. verify and kinds: the verify widths and sampling kinds captured (the steps a test runs)."""
+    steps. verify and kinds: the verify widths and sampling kinds captured (the steps a test runs);
+    constrained and full_sampling: the verify widths captured with masks, and with penalties and logprobs."""
     torch.manual_seed(0)
     model = LlamaModel(TINY, MAX_LEN + K + 2).eval().to(DEV).use_triton_ops(fused)
     attention = TritonPagedAttention(BLOCK, 64, DEV, max_rows=SLOTS + 1, max_blocks=MAX_LEN // BLOCK + 1)
@@ -100,7 +103,8 @@ def runner(graphs: bool, prefill: tuple[int, ...] = (), fused: bool = False,
                     num_slots=SLOTS, max_model_len=MAX_LEN, num_speculative_tokens=K, max_num_tokens=64)
     if graphs:
         g = ReplayGraphs(r, NoGraphPlatform(), max_rows=SLOTS, verify_widths=verify,  # type: ignore[arg-type]
-                         prefill_tokens=prefill, prompt_batches=batches)
+                         prefill_tokens=prefill, prompt_batches=batches, constrained=constrained,
+                         full_sampling=full_sampling)
         g.kinds = kinds
         g.capture()
         r.graphs = g
@@ -225,12 +229,8 @@ def test_replayed_constrained_steps_equal_eager_steps() -> None:
     step whose positions allow different tokens, and fewer rows than the bucket (padding rows
     allow everything). Each constrained token is one its mask allows, and the replayed tokens
     are the eager ones."""
-    kinds = ((True, False), (False, False))
-    eager, replayed = runner(False), runner(True, kinds=kinds)
+    eager, replayed = runner(False), runner(True, kinds=((True, False), (False, False)), constrained=(0, K))
     assert replayed.graphs is not None
-    replayed.graphs.constrained = [0, K]
-    replayed.graphs.graphs.clear()
-    replayed.graphs.capture()
     assert any(shape.constrained for shape in replayed.graphs.graphs)
     rng = np.random.default_rng(8)
     prompts = {s: rng.integers(0, TINY.vocab_size, n).tolist() for s, n in ((0, 6), (1, 9), (2, 11))}
@@ -267,11 +267,8 @@ def test_replayed_constrained_prompt_steps_equal_eager_steps() -> None:
     """A prompt under a grammar samples its first token under the mask too: one-row prompt steps
     and a step of several prompts replay the graphs captured with the masks."""
     eager, replayed = runner(False), runner(True, prefill=(8, 16), batches=((2, 24),), verify=(0,),
-                                            kinds=((True, False),))
+                                            kinds=((True, False),), constrained=(0,))
     assert replayed.graphs is not None
-    replayed.graphs.constrained = [0]
-    replayed.graphs.graphs.clear()
-    replayed.graphs.capture()
     rng = np.random.default_rng(9)
     p = {s: rng.integers(0, TINY.vocab_size, n).tolist() for s, n in ((0, 5), (1, 12), (2, 9))}
     allowed = {0: {4, 33}, 1: {50}, 2: {6, 7, 61}}
@@ -283,6 +280,63 @@ def test_replayed_constrained_prompt_steps_equal_eager_steps() -> None:
     got = [res.rows[0].sampled[0] for res in outs["replayed"]]
     assert [t in allowed[s] for s, t in zip((0, 1, 2), got, strict=True)] == [True, True, True], got
     assert replayed.graphs.num_replays == 3, "every prompt step replayed, masks and all"
+    same_kv(eager, replayed)
+
+
+def test_replayed_steps_with_penalties_and_logprobs_equal_eager_steps() -> None:
+    """Steps where some row has a penalty or asks for logprobs replay graphs of their own that
+    count tokens and compute every row's logprobs: a decode step and a verification step, rows
+    with a penalty, with logprobs, with both and with neither side by side, greedy and sampled,
+    fewer rows than the bucket. Tokens and logprobs are the eager ones (which count and compute
+    only for the rows that need it)."""
+    eager, replayed = runner(False), runner(True, kinds=((True, False), (False, False)), full_sampling=(0, K))
+    assert replayed.graphs is not None
+    assert any(shape.any_penalty and shape.logprobs >= 0 for shape in replayed.graphs.graphs)
+    rng = np.random.default_rng(10)
+    prompts = {s: rng.integers(0, TINY.vocab_size, n).tolist() for s, n in ((0, 7), (1, 10), (2, 5))}
+
+    def row_sampling(slot: int, position: int, logprobs: int, penalties: bool = True) -> RowSampling:
+        return msgspec.structs.replace(sampling(slot, position), logprobs=logprobs, **({
+            # Negative: the tokens said so far pull ahead, so the penalties surely change the output.
+            0: {"repetition_penalty": 1.8, "frequency_penalty": -100.0}, 1: {"presence_penalty": -100.0}, 2: {}
+        }[slot] if penalties else {}))
+
+    first = StepFrame(0, [ScheduledRow(s, 0, s, 0, p, blocks(s), sampling(s, 0)) for s, p in prompts.items()])
+    decode = StepFrame(1, [  # slot 0: repetition penalty and logprobs; 1: frequency, sampled; 2: logprobs only
+        ScheduledRow(0, 0, 0, 7, [], blocks(0), row_sampling(0, 1, 3), num_placeholder_inputs=1),
+        ScheduledRow(1, 0, 1, 10, [], blocks(1), row_sampling(1, 1, -1), num_placeholder_inputs=1),
+        ScheduledRow(2, 0, 2, 5, [], blocks(2), row_sampling(2, 1, 2), num_placeholder_inputs=1)])
+    unpenalized = StepFrame(1, [msgspec.structs.replace(r, sampling=row_sampling(r.slot, 1, -1, penalties=False))
+                                for r in decode.rows])
+    plain = runner(False)
+    plain.execute(first)
+    eager.execute(first)
+    assert [x.sampled for x in plain.execute(unpenalized).rows] != [x.sampled for x in eager.execute(decode).rows], \
+        "the penalties change the tokens here (so equal tokens mean the graphs counted)"
+    eager = runner(False)
+    outs = {}
+    for name, r in (("eager", eager), ("replayed", replayed)):
+        first_out = r.execute(first)
+        got = r.execute(decode)
+        r.pool.tokens[0, 9] = 4
+        r.pool.tokens[1, 12] = 8
+        verify = StepFrame(2, [  # slot 0 verifies a draft under its penalty and logprobs; slot 1 one without
+            ScheduledRow(0, 0, 0, 8, [], blocks(0), row_sampling(0, 2, 1), draft_token_ids=[4],
+                         num_placeholder_inputs=1),
+            ScheduledRow(1, 0, 1, 11, [], blocks(1), sampling(1, 2), draft_token_ids=[8], num_placeholder_inputs=1)])
+        outs[name] = (first_out, got, r.execute(verify))
+    for a, b in zip(outs["eager"], outs["replayed"], strict=True):  # logprobs up to the last bits (padded matmuls)
+        assert [(x.key, x.sampled, x.num_accepted, x.error) for x in a.rows] == \
+               [(x.key, x.sampled, x.num_accepted, x.error) for x in b.rows]
+        for x, y in zip(a.rows, b.rows, strict=True):
+            assert [lp.top_ids for lp in x.logprobs or []] == [lp.top_ids for lp in y.logprobs or []]
+            assert [v for lp in x.logprobs or [] for v in (lp.logprob, *lp.top_logprobs)] == pytest.approx(
+                [v for lp in y.logprobs or [] for v in (lp.logprob, *lp.top_logprobs)], abs=1e-5)
+    _, got, verified = outs["replayed"]
+    assert [len(x.logprobs or []) for x in got.rows] == [1, 0, 1]
+    assert [len(lp.top_ids) for x in got.rows for lp in x.logprobs or []] == [3, 2]
+    assert verified.rows[0].logprobs and verified.rows[1].logprobs is None
+    assert replayed.graphs.num_replays == 2, "both steps replayed"
     same_kv(eager, replayed)
 
 
