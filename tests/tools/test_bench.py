@@ -308,6 +308,29 @@ def test_hostsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert [row.split(" | ")[0] for row in rows] == ["| False", "| True"]
 
 
+def test_a_bench_cut_short_keeps_the_runs_it_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Each finished run is a line of `<scenario>.runs.jsonl` as the bench goes (a time limit or a
+    failure later keeps them); a bench that ends well leaves only its report."""
+    from speckernel.tools.bench import hostsync
+
+    args = ["--platform", "cpu", "--model", "random:tiny", "--max-tokens", "4", "--num-prompts", "2", "--repeats",
+            "1", "--concurrency", "1", "--speculator-option", "num_layers=1"]
+
+    def fails(report: dict[str, Any]) -> list[str]:
+        raise RuntimeError("a failure after the runs")
+
+    with monkeypatch.context() as m:
+        m.setattr(hostsync, "markdown", fails)
+        with pytest.raises(RuntimeError, match="after the runs"):
+            bench("hostsync", args, tmp_path / "cut", monkeypatch)
+    lines = [json.loads(line) for line in (tmp_path / "cut" / "hostsync.runs.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all(r["tokens_per_s"] > 0 and r["run"] for r in lines), lines
+    assert "the 2 runs that finished are in" in capsys.readouterr().err
+    bench("hostsync", args, tmp_path / "whole", monkeypatch)
+    assert not (tmp_path / "whole" / "hostsync.runs.jsonl").exists()
+
+
 @pytest.mark.slow
 def test_prefill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     report, rows = bench("prefill", ["--platform", "cpu", "--model", "random:tiny", "--prompt-tokens", "48",

@@ -6,7 +6,7 @@ Each scenario is one module, `bench_<scenario>.py`, with `run(args)` (a coroutin
 drives AsyncEngine) returning the report, `markdown(report)` returning the table's lines and
 `plot(report, plt)` returning a figure; its flags live in `bench_cli`. This module runs the
 chosen one and holds what they share: engine configs from the flags, the report header, the
-writer.
+writer, and the runs log (`log_run`) that keeps a cut-short bench's finished runs.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import platform as host_platform
 import shlex
 import sys
 import time
+from contextvars import ContextVar
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from types import ModuleType
@@ -34,6 +35,21 @@ from ..engine_args import parse_options
 
 MISSING = "\N{EN DASH}"
 """What a table shows where a figure does not apply."""
+
+RUNS_LOG: ContextVar[Path | None] = ContextVar("bench_runs_log", default=None)
+"""Where `log_run` appends, while a bench runs (`main`): `<out>/<scenario>.runs.jsonl`."""
+
+
+def log_run(run: dict[str, Any]) -> None:
+    """One finished run as a JSON line beside the report to come: a bench cut short (a time
+    limit, a failure in a later run) keeps the figures of the runs it finished. `main` removes
+    the file once the report holds them all."""
+    path = RUNS_LOG.get()
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(run, default=str) + "\n")
 
 
 def scenario_module(name: str) -> ModuleType:
@@ -185,8 +201,20 @@ def out_folder(args: argparse.Namespace) -> Path:
 def main(args: argparse.Namespace) -> int:
     out = out_folder(args)  # fixed before the run: its name says when it started
     module = scenario_module(args.scenario)
-    report = anyio.run(module.run, args) if inspect.iscoroutinefunction(module.run) else module.run(args)
-    written = write_report(args.scenario, report, module.markdown(report), module.plot, out)
+    runs_log = out / f"{args.scenario}.runs.jsonl"
+    runs_log.unlink(missing_ok=True)
+    token = RUNS_LOG.set(runs_log)
+    try:
+        report = anyio.run(module.run, args) if inspect.iscoroutinefunction(module.run) else module.run(args)
+        written = write_report(args.scenario, report, module.markdown(report), module.plot, out)
+    except BaseException:
+        if runs_log.exists():
+            kept = len(runs_log.read_text().splitlines())
+            print(f"bench: the {kept} runs that finished are in {runs_log}", file=sys.stderr)
+        raise
+    finally:
+        RUNS_LOG.reset(token)
+    runs_log.unlink(missing_ok=True)
     print((out / f"{args.scenario}.md").read_text())
     print(f"bench: wrote {', '.join(str(path) for path in written)}", file=sys.stderr)
     return 0

@@ -15,7 +15,7 @@ from ...frontend.async_engine import AsyncEngine
 from ...progress import Progress
 from ...sampling_params import SamplingParams
 from ..datasets import humaneval_messages
-from .command import ms, percentile
+from .command import log_run, ms, percentile
 from .repeats import median_run, warn_if_noisy
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_k0_steps", "num_host_draft_copies")
@@ -99,7 +99,7 @@ async def run_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sam
     generated = sum(len(o) for o in outputs)
     prompt_tokens = sum(len(p) for p in prompts)
     steps = after["num_steps"] - before["num_steps"]
-    return {
+    result: dict[str, Any] = {
         "concurrency": concurrency,
         "num_requests": len(prompts),
         "prompt_tokens": prompt_tokens,
@@ -125,6 +125,8 @@ async def run_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sam
         "outputs": outputs,
         "requests": requests,  # per request, in finishing order: TTFT ms, time in flight ms, tokens
     }
+    log_run({"run": desc} | {k: v for k, v in result.items() if k not in ("outputs", "requests")})
+    return result
 
 
 def device_gaps(before: dict[str, Any], after: dict[str, Any], elapsed_s: float) -> dict[str, Any]:
