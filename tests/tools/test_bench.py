@@ -390,3 +390,12 @@ def test_pp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             assert r["ratio_to_pp1"] == 1.0
     assert len(rows) == len(runs) and [row.split(" | ")[1:5] for row in rows[:2]] == [["1", "1", "1", "2"],
                                                                                     ["1", "1", "2", "2"]]
+
+
+@pytest.mark.parametrize(("spec", "says"), [("none", "always runs first"), ("bogus", "unknown speculator 'bogus'"),
+                                            ("mtp:x", "K must be a whole number")])
+def test_a_bad_speculator_is_refused_before_anything_runs(spec: str, says: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "pp", "--platform", "cpu", "--speculator", "ngram", "--speculator", spec])
+    assert exit_info.value.code == 2 and says in capsys.readouterr().err

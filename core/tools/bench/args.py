@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ... import registry
+
 SCENARIOS = {
     "accept": "acceptance per speculator on HumanEval",
     "decode": "decode speed at batch 1 and under concurrency, per speculator, next to HF transformers",
@@ -60,7 +62,8 @@ def engine_flags(p: argparse.ArgumentParser, *, model: str | None = "smollm2-135
 
 
 def speculator_flags(p: argparse.ArgumentParser, default_help: str) -> None:
-    p.add_argument("--speculator", action="append", default=None, help=f"speculator to measure ({default_help})")
+    p.add_argument("--speculator", action="append", default=None, type=speculator_spec,
+                   help=f"speculator to measure, NAME[:K[:KEY=VALUE,...]] ({default_help})")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="drafts per step")
     p.add_argument("--draft-model", default=None, help="checkpoint for the speculator (default: its own default)")
     p.add_argument("--speculator-option", action="append", default=[], metavar="KEY=VALUE",
@@ -70,6 +73,21 @@ def speculator_flags(p: argparse.ArgumentParser, default_help: str) -> None:
                         "(default: where step graphs are timed at start)")
     p.add_argument("--no-adaptive-speculation", dest="adaptive_speculation", action="store_const", const=False,
                    help="always draft (no governor)")
+
+
+def speculator_spec(text: str) -> str:
+    """NAME[:K[:KEY=VALUE,...]] with a registered NAME and an integer K (argparse type): a bad one
+    is refused before anything runs, not after the runs before it."""
+    name, _, rest = text.partition(":")
+    known = sorted(registry.discover("speculator"))
+    if name == "none":
+        raise argparse.ArgumentTypeError("no speculator always runs first: name only the speculators beside it")
+    if name not in known:
+        raise argparse.ArgumentTypeError(f"unknown speculator {name!r}; registered: {', '.join(known)}")
+    k_text = rest.partition(":")[0]
+    if k_text and not k_text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: K must be a whole number (NAME[:K[:KEY=VALUE,...]])")
+    return text
 
 
 def repeats_flag(p: argparse.ArgumentParser) -> None:
