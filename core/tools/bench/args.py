@@ -4,7 +4,7 @@ scenarios (so the CLI starts without torch); `bench.main` imports the one that r
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, NamedTuple
 
 from ... import registry
 
@@ -28,12 +28,16 @@ SCENARIOS = {
 MODES = ("inprocess", "process")
 
 
+def names_from(allowed: tuple[str, ...], text: str, what: str = "modes") -> list[str]:
+    """A comma-separated list of names from `allowed`, in the order given (argparse type)."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if not names or any(m not in allowed for m in names):
+        raise argparse.ArgumentTypeError(f"expected {what} from {', '.join(allowed)}, got {text!r}")
+    return names
+
+
 def mode_list(text: str) -> list[str]:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise argparse.ArgumentTypeError(f"expected modes from {', '.join(MODES)}, got {text!r}")
-    return modes
+    return names_from(MODES, text)
 
 
 def engine_flags(p: argparse.ArgumentParser, *, model: str | None = "smollm2-135m", max_num_seqs: int = 64,
@@ -75,18 +79,37 @@ def speculator_flags(p: argparse.ArgumentParser, default_help: str) -> None:
                    help="always draft (no governor)")
 
 
+class SpeculatorRun(NamedTuple):
+    """One `--speculator NAME[:K[:KEY=VALUE,...]]`: the run's K and options where it gives them."""
+
+    name: str
+    k: int | None
+    """None: --num-speculative-tokens."""
+    options: list[str] | None
+    """None: --speculator-option."""
+
+
+def split_speculator(text: str) -> SpeculatorRun:
+    """NAME[:K[:KEY=VALUE,...]]; ValueError where K is not a whole number."""
+    name, _, rest = text.partition(":")
+    k_text, _, option_text = rest.partition(":")
+    if k_text and not k_text.isdigit():
+        raise ValueError(f"{text!r}: K must be a whole number (NAME[:K[:KEY=VALUE,...]])")
+    return SpeculatorRun(name, int(k_text) if k_text else None, option_text.split(",") if option_text else None)
+
+
 def speculator_spec(text: str) -> str:
     """NAME[:K[:KEY=VALUE,...]] with a registered NAME and an integer K (argparse type): a bad one
     is refused before anything runs, not after the runs before it."""
-    name, _, rest = text.partition(":")
+    try:
+        name = split_speculator(text).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     known = sorted(registry.discover("speculator"))
     if name == "none":
         raise argparse.ArgumentTypeError("no speculator always runs first: name only the speculators beside it")
     if name not in known:
         raise argparse.ArgumentTypeError(f"unknown speculator {name!r}; registered: {', '.join(known)}")
-    k_text = rest.partition(":")[0]
-    if k_text and not k_text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: K must be a whole number (NAME[:K[:KEY=VALUE,...]])")
     return text
 
 
@@ -239,17 +262,12 @@ GRAMMAR_MODES = ("free", "json_schema", "boilerplate", "json_object", "regex", "
 
 
 def grammar_modes(text: str) -> list[str]:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    if not modes or any(m not in GRAMMAR_MODES for m in modes):
-        raise argparse.ArgumentTypeError(f"expected modes from {', '.join(GRAMMAR_MODES)}, got {text!r}")
+    modes = names_from(GRAMMAR_MODES, text)
     return ["free", *(m for m in GRAMMAR_MODES[1:] if m in modes)]
 
 
 def on_off_list(text: str) -> list[str]:
-    values = text.split(",")
-    if not values or any(v not in ("on", "off") for v in values):
-        raise argparse.ArgumentTypeError(f"expected on, off or on,off; got {text!r}")
-    return list(dict.fromkeys(values))
+    return list(dict.fromkeys(names_from(("on", "off"), text, "values")))
 
 
 def pp_arguments(p: argparse.ArgumentParser) -> None:

@@ -32,6 +32,7 @@ import numpy as np
 from ...config import EngineConfig
 from ...errors import InvalidInputError
 from ..engine_args import parse_options
+from .args import split_speculator
 
 MISSING = "\N{EN DASH}"
 """What a table shows where a figure does not apply."""
@@ -72,17 +73,16 @@ def with_speculator(config: EngineConfig, args: argparse.Namespace, name: str | 
     if name is None:
         return config
 
-    spec, _, rest = name.partition(":")
-    k_text, _, option_text = rest.partition(":")
     try:
-        k = int(k_text) if k_text else args.num_speculative_tokens
-    except ValueError:
-        raise InvalidInputError(f"--speculator {name!r}: expected NAME[:K[:KEY=VALUE,...]]") from None
-    options = option_text.split(",") if option_text else args.speculator_option
-    return msgspec.structs.replace(config, speculator=spec, num_speculative_tokens=k,
+        run = split_speculator(name)
+    except ValueError as e:
+        raise InvalidInputError(f"--speculator {e}") from None
+    return msgspec.structs.replace(config, speculator=run.name,
+                                   num_speculative_tokens=args.num_speculative_tokens if run.k is None else run.k,
                                    draft_model=args.draft_model,
                                    adaptive_speculation=getattr(args, "adaptive_speculation", None),
-                                   speculator_options=parse_options(options))
+                                   speculator_options=parse_options(args.speculator_option if run.options is None
+                                                                    else run.options))
 
 
 # --- the report ------------------------------------------------------------------------------

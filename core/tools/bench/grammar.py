@@ -106,10 +106,6 @@ def valid(text: str, mode: str) -> bool:
     return isinstance(value, dict)
 
 
-def _delta(before: dict[str, Any], after: dict[str, Any], key: str) -> int:
-    return int(after["spec"].get(key, 0) - before["spec"].get(key, 0))
-
-
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     outputs_of: dict[tuple[str, bool, str, int], list[list[int]]] = {}
@@ -127,17 +123,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured=constraint(mode))
                     for c in args.concurrency:
                         desc = f"grammar {name or 'none'} forced={forced} {mode} c={c}"
-                        before = await engine.stats()
                         r = await run_streams(engine, prompts, params, c, desc)
-                        after = await engine.stats()
                         outputs = r.pop("outputs")
                         r.pop("requests")
                         spec = config.speculator or "none"
                         outputs_of[(spec, forced == "on", mode, c)] = outputs
                         runs.append({"speculator": spec, "forced_drafts": forced == "on", "mode": mode,
-                                     "num_invalid_drafts": _delta(before, after, "num_invalid_drafts"),
-                                     "num_forced_drafts": _delta(before, after, "num_forced_drafts"),
-                                     "num_forced_accepted": _delta(before, after, "num_forced_accepted"),
+                                     **{k: r["spec"][k] for k in ("num_invalid_drafts", "num_forced_drafts",
+                                                                 "num_forced_accepted")},
                                      "valid_outputs": sum(valid(engine.tokenizer.decode(o), mode) for o in outputs)}
                                     | r)
     for r in runs:

@@ -28,6 +28,7 @@ import anyio
 import msgspec
 
 from ..datasets import humaneval_messages
+from .args import split_speculator
 from .command import cell, concurrency_axis, header, ms, percentile, preamble, ratio
 from .hostile import KINDS, hostile_request
 
@@ -58,10 +59,10 @@ def server_flags(args: argparse.Namespace, speculator: str | None) -> list[str]:
     if args.enforce_eager:
         flags.append("--enforce-eager")
     if speculator is not None:
-        name, _, rest = speculator.partition(":")
-        k, _, options = rest.partition(":")
-        flags += ["--speculator", name, "--num-speculative-tokens", k or str(args.num_speculative_tokens)]
-        for option in options.split(",") if options else args.speculator_option:
+        run = split_speculator(speculator)
+        flags += ["--speculator", run.name, "--num-speculative-tokens",
+                  str(args.num_speculative_tokens if run.k is None else run.k)]
+        for option in args.speculator_option if run.options is None else run.options:
             flags += ["--speculator-option", option]
         if args.draft_model:
             flags += ["--draft-model", args.draft_model]

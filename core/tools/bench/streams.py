@@ -18,7 +18,8 @@ from ..datasets import humaneval_messages
 from .command import log_run, ms, percentile
 from .repeats import median_run, warn_if_noisy
 
-COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_k0_steps", "num_host_draft_copies")
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_k0_steps", "num_host_draft_copies",
+            "num_invalid_drafts", "num_forced_drafts", "num_forced_accepted")
 
 
 def chat_prompts(engine: AsyncEngine, n: int) -> list[list[int]]:
