@@ -9,7 +9,9 @@
 #      host work runs), for at most $GEN_MINUTES minutes (default: no limit); PHASE=data stops here;
 #   2. every method of $METHODS trains at once for what is left of $BUDGET_S seconds, or $MINUTES
 #      minutes if given: one process per GPU trains its share of the methods on the same batches
-#      (one target forward per batch). Running it again continues each method from its state.pt.
+#      (one target forward per batch). Running it again continues each method from its state.pt,
+#      exactly (batches, schedule, random state): $STEPS (default 100000) is the length of the whole
+#      training over every call, the learning rate's schedule; the minutes only bound one call.
 # PHASE=accept: the trained checkpoints ($WORK/METHOD, or the shipped ones with SHIPPED=1):
 #   `bench accept` on all 164 HumanEval prompts (DATASET=chat: the 64 held-out chat requests),
 #   256 tokens, temperature 0, every method with its K next to no speculation.

@@ -34,15 +34,6 @@ TARGET = "random:tiny,num_layers=6"
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("data") / "data.npz"
-    pairs = [(rng.integers(3, 500, 8).tolist(), rng.integers(3, 500, 24).tolist()) for _ in range(12)]
-    Sequences.pack(pairs).save(path)
-    return path
-
-
 def args_for(data: Path, out: Path, *extra: str) -> argparse.Namespace:
     return build_parser().parse_args(["train-drafter", "--method", "mtp", "--target", TARGET, "--data", str(data),
                                       "--out", str(out), "--device", "cpu", "--seq-len", "40", "--batch-size", "8",

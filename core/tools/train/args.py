@@ -91,7 +91,9 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--target", default="smollm2-135m", help="built-in name, GGUF file or safetensors folder")
     p.add_argument("--out", type=Path, default=None,
                    help="output folder (default: drafters/METHOD; with several methods, drafters/ holding one "
-                        "folder per method)")
+                        "folder per method); when it holds a state.pt, the run resumes it exactly: weights, "
+                        "optimizer, step, batches, random state, log (--lr, --warmup, --batch-size, --seq-len and "
+                        "--seed must be the saved ones; other data than it was trained on is said in a note)")
     p.add_argument("--data", type=Path, action="append", default=None,
                    help="token data (.npz, repeatable: concatenated); generated from the prompts when missing "
                         "(default: data.npz inside --out, or drafters/data.npz)")
@@ -113,24 +115,35 @@ def add_arguments(sub: Any) -> None:
                    help="KV cache for generating data (default: sized from free memory; set it to run "
                         "several generating processes on one GPU)")
     p.add_argument("--steps", type=int, default=None,
-                   help=f"optimizer steps in all (a resumed run continues) {sized('steps')}")
+                   help="optimizer steps in all, every run of a resumed training together; the learning-rate "
+                        "schedule spans them (a resumed run with a larger --steps extends the training: the "
+                        f"schedule from its step on follows the new total, with a note) {sized('steps')}")
     p.add_argument("--minutes", type=float, default=0.0,
                    help="bound the whole run (fractions allowed), then save (0: no limit): generating data "
                         "takes at most --data-share of it, answers still being written are cut there and kept "
                         "as far as they got; training runs until the deadline less the time to save; a "
-                        "checkpoint is written even when no data was made in time (the drafter as it started)")
+                        "checkpoint is written even when no data was made in time (the drafter as it started). "
+                        "It bounds this run only, not the learning-rate schedule, which follows the step: runs "
+                        "cut by --minutes and resumed add up to one run of --steps (size --steps to the training "
+                        "meant in all)")
     p.add_argument("--data-share", type=float, default=0.4,
                    help="with --minutes and training to follow: the share of the time that generating data "
                         "may take (it stops sooner when every prompt is answered)")
-    p.add_argument("--batch-size", type=int, default=None, help=f"sequences per training step {sized('batch_size')}")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"sequences per training step (a resumed run must keep the saved one) {sized('batch_size')}")
     p.add_argument("--seq-len", type=int, default=None,
-                   help=f"tokens per training sequence (longer ones are cut) {sized('seq_len')}")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+                   help="tokens per training sequence (longer ones are cut; a resumed run must keep the saved "
+                        f"one) {sized('seq_len')}")
+    p.add_argument("--lr", type=float, default=1e-3,
+                   help="peak learning rate (AdamW; a resumed run must keep the saved one)")
     p.add_argument("--warmup", type=int, default=None,
-                   help=f"steps of linear learning-rate warm-up, then cosine decay to a tenth over --steps or "
-                        f"--minutes {sized('warmup')}")
+                   help="steps of linear learning-rate warm-up, then cosine decay to a tenth at --steps: a "
+                        "function of the step alone, never of --minutes, so a resumed run goes on with the "
+                        f"schedule of one that never stopped (it must keep the saved --warmup) {sized('warmup')}")
     p.add_argument("--save-every", type=int, default=None,
-                   help=f"steps between writes of the resumable state.pt {sized('save_every')}")
+                   help="steps between writes of the resumable state.pt (also written at the end): a run "
+                        "killed without its final save resumes from the last one, exactly as if it had stopped "
+                        f"there {sized('save_every')}")
     p.add_argument("--log-every", type=int, default=None,
                    help="steps between reads of the training figures from the device (the only host sync of "
                         "training besides measuring and saving; also whenever 10 s passed) and progress lines on "
@@ -149,7 +162,8 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--eval-batches", type=int, default=None,
                    help=f"batches per held-out measurement (fixed ones) {sized('eval_batches')}")
     p.add_argument("--seed", type=int, default=0,
-                   help="seeds the corpus, the drafter's initial weights and the batches")
+                   help="seeds the corpus, the drafter's initial weights and the batches (each step's batch is "
+                        "a function of the seed and the step; >= 0; a resumed run must keep the saved one)")
     p.add_argument("--platform", default=None, help="platform for generating data (default: best available)")
     p.add_argument("--device", default=None, help="torch device for training (default: cuda if present)")
     p.add_argument("--init", default=None, metavar="DIR|METHOD",

@@ -9,6 +9,7 @@ than reading it back from disk.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -61,6 +62,15 @@ class Sequences:
         offsets = np.concatenate([[0]] + [p.offsets[1:] + base for p, base in zip(parts, sizes, strict=False)])
         return cls(np.concatenate([p.tokens for p in parts]), offsets.astype(np.int64),
                    np.concatenate([p.prompt_lens for p in parts]))
+
+    def fingerprint(self) -> dict[str, int | str]:
+        """Sequence count, token count and a digest of the tokens: what a resumed run compares
+        with the data its state.pt was trained on, to notice a data file that changed."""
+        digest = hashlib.blake2b(digest_size=8)
+        for part in (self.tokens.astype(np.int32), self.offsets.astype(np.int64), self.prompt_lens.astype(np.int64)):
+            digest.update(np.ascontiguousarray(part).tobytes())
+        return {"sequences": len(self), "tokens": int(self.offsets[-1]) if len(self.offsets) else 0,
+                "digest": digest.hexdigest()}
 
     def select(self, rows: np.ndarray) -> Sequences:
         parts = [self.get(int(i))[0] for i in rows]
@@ -201,24 +211,40 @@ class TargetFeatures:
                           kv=backend.kept, target=self.target, counted=counted)
 
 
-def batches(data: Sequences, batch_size: int, length: int, rng: np.random.Generator
-            ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Endless random batches [B, length] on the host (`feed.DeviceFeed` moves them): each row one
+def batch_of(data: Sequences, batch_size: int, length: int, rng: np.random.Generator
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """One random batch [B, length] on the host (`feed.DeviceFeed` moves it): each row one
     sequence (right-padded); the mask covers the answer's positions whose next token the target
     wrote, not the padding. A sequence longer than `length` keeps its answer: the window starts
     where at most a quarter of it is prompt (a long prompt cut to `length` from its start would
     leave no answer to learn from, as on a CPU's short windows)."""
+    pick = rng.integers(len(data), size=batch_size)
+    tokens = np.zeros((batch_size, length), np.int64)
+    mask = np.zeros((batch_size, length), bool)
+    for row, i in enumerate(pick):
+        seq, prompt_len = data.get(int(i))
+        start = max(0, min(prompt_len - length // 4, len(seq) - length))
+        seq, prompt_len = seq[start : start + length], prompt_len - start
+        tokens[row, : len(seq)] = seq
+        mask[row, max(prompt_len - 1, 0) : len(seq) - 1] = True
+    return tokens, mask
+
+
+def batches(data: Sequences, batch_size: int, length: int, rng: np.random.Generator
+            ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Endless random batches (`batch_of`) from one generator: the fixed held-out batches."""
     while True:
-        pick = rng.integers(len(data), size=batch_size)
-        tokens = np.zeros((batch_size, length), np.int64)
-        mask = np.zeros((batch_size, length), bool)
-        for row, i in enumerate(pick):
-            seq, prompt_len = data.get(int(i))
-            start = max(0, min(prompt_len - length // 4, len(seq) - length))
-            seq, prompt_len = seq[start : start + length], prompt_len - start
-            tokens[row, : len(seq)] = seq
-            mask[row, max(prompt_len - 1, 0) : len(seq) - 1] = True
-        yield tokens, mask
+        yield batch_of(data, batch_size, length, rng)
+
+
+def step_batches(data: Sequences, batch_size: int, length: int, seed: int, first: int = 0
+                 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Endless training batches from step `first` on (steps taken before it). The batch of each
+    step is a function of (seed, step) alone, its own generator seeded by [seed, 0, step]: a
+    resumed run draws exactly the batches the stopped one would have drawn next, however far
+    ahead a feed had built batches when it stopped, with nothing to save but the step."""
+    for step in itertools.count(first):
+        yield batch_of(data, batch_size, length, np.random.default_rng([seed, 0, step]))
 
 
 def label_counts(data: Sequences, vocab_size: int) -> torch.Tensor:

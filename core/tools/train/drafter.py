@@ -14,8 +14,27 @@
    its figures stay there until the log interval (`--log-every`) reads them all at once, and the
    progress line gives the interval's training tokens/s and GPU utilisation (`meter`).
 3. Output: `--out` holds `config.json` + `model.safetensors` (what `--draft-model` loads), a
-   resumable `state.pt` written every `--save-every` steps, `train_log.json` and `loss.png`.
-   Running the same command again resumes where the last one stopped.
+   resumable `state.pt` written every `--save-every` steps and at the end, `train_log.json`
+   and `loss.png`. Running the same command again resumes where the last one stopped.
+
+Resuming is exact: runs stopped at a step and resumed (by `--minutes`, Ctrl-C, a killed job)
+end with the weights and the per-step losses of one run that never stopped, so many short runs
+on a GPU add up to one long training. state.pt keeps the weights, the optimizer, the step,
+torch's random state (CPU, and CUDA's on a GPU: the block drafters' losses draw random anchors)
+and the flags that define the training. The batch of each step is a function of (--seed, step)
+alone (`data.step_batches`), so the data position is the step and nothing the feed built ahead
+is lost or repeated. The learning rate is a function of the step alone too (`lr_at`: warm-up,
+then cosine over --steps); `--minutes` bounds one run and does not bend the schedule, so a run
+of --steps it cannot finish in time ends with the learning rate where that step has it, and the
+next run goes on from there. A resumed run with another --lr, --warmup, --batch-size, --seq-len
+or --seed than state.pt saved is refused (`InvalidInputError`: it would be another training);
+another --steps is followed, with a note (the schedule from the current step on spreads over
+the new total: how a finished training is extended). Training data that changed since state.pt
+was saved (sequence count, token count, digest: another --data, --holdout, a regenerated file),
+other --method(s) beside it or another kind of device are said in a note and training goes on,
+no longer exactly the stopped run's. Every log entry has `tokens` (training tokens so far,
+all runs together); train_log.json's `clock` gives the training wall time at each read of the
+device, and its summary the totals over all runs and one entry per run (`each_run`).
 
 `--minutes` bounds the whole run (`budget`): data gets a share of it, training the rest less
 the time to save, and a checkpoint is written whatever happened before (no data in time: the
@@ -52,11 +71,11 @@ from ...runner.host_copy import syncs_fail
 from .args import size_defaults, trainable
 from .budget import Budget
 from .corpus import build_corpus, read_corpus
-from .data import Interrupted, Sequences, TargetFeatures, batches, generate, label_counts
+from .data import Interrupted, Sequences, TargetFeatures, batches, generate, label_counts, step_batches
 from .feed import DeviceBatch, DeviceFeed
 from .heartbeat import Heartbeat
 from .meter import Meter
-from .step import Figures, MethodRun, read_figures, train_step
+from .step import Figures, MethodRun, read_figures, set_rng_state, train_step
 
 
 class Doing(msgspec.Struct):
@@ -151,14 +170,61 @@ def keep_data(data: Sequences, path: Path, asked: int, started: float, beat: Hea
              f"-> {path}{left}")
 
 
-def lr_at(step: int, args: argparse.Namespace, time_done: float) -> float:
-    """Linear warm-up, then cosine decay to a tenth over --steps or the training time of
-    --minutes (`time_done`: its share gone), whichever ends first."""
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up, then cosine decay to a tenth at --steps: a function of the step and the
+    saved flags alone, never of the clock, so runs stopped and resumed follow the schedule of
+    one run that never stopped."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     done = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
-    done = max(done, time_done)
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
+
+
+REFUSED = {"lr": "--lr", "warmup": "--warmup", "batch_size": "--batch-size", "seq_len": "--seq-len",
+           "seed": "--seed"}
+"""The flags a resumed run must share with state.pt: another value of any is another training
+(another schedule, other batches), which resuming would silently mix with this one."""
+
+
+def settings(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The flags that define the training, as state.pt keeps them."""
+    return {**{k: getattr(args, k) for k in REFUSED}, "steps": args.steps, "methods": sorted(set(args.method)),
+            "device": device.type}
+
+
+def check_resume(args: argparse.Namespace, method: str, out: Path, state: dict[str, Any],
+                 fingerprint: dict[str, Any], device: torch.device, beat: Heartbeat) -> None:
+    """Refuses a resumed run whose REFUSED flags differ from state.pt's; says in a note what
+    else differs (--steps, the data, the methods beside it, the device) and goes on."""
+    saved = state.get("settings")
+    if saved is None:
+        beat.say(f"train-drafter: {method}: {out / 'state.pt'} is from a version that kept no settings: resuming its "
+                 "weights and optimizer, but the batches and the random state start anew, not where it stopped")
+        return
+    now = settings(args, device)
+    differ = [k for k in REFUSED if saved.get(k) != now[k]]
+    if differ:
+        then = " ".join(f"{REFUSED[k]} {saved.get(k)}" for k in differ)
+        asked = " ".join(f"{REFUSED[k]} {now[k]}" for k in differ)
+        raise InvalidInputError(f"train-drafter: {out / 'state.pt'} was trained with {then}, this run asks for "
+                                f"{asked}: a resumed run continues the same training; pass the saved values, or "
+                                "another --out to start a new training")
+    if saved["steps"] != now["steps"] and state["step"] < now["steps"]:
+        beat.say(f"train-drafter: {method}: --steps {now['steps']} (state.pt: {saved['steps']}): the learning rate "
+                 f"from step {state['step']} on follows the schedule over {now['steps']} steps")
+    if saved["methods"] != now["methods"]:
+        beat.say(f"train-drafter: {method}: trained beside {'+'.join(saved['methods'])} before, "
+                 f"{'+'.join(now['methods'])} now: the random stream the losses share differs from there on")
+    if saved["device"] != now["device"]:
+        beat.say(f"train-drafter: {method}: trained on {saved['device']} before, {now['device']} now: the "
+                 "arithmetic and the device's random state differ from there on")
+    data = state.get("data", {})
+    if data and data != fingerprint:
+        then, now_ = (f"{d['sequences']} sequences, {d['tokens']} tokens" for d in (data, fingerprint))
+        how = f"{then} then, {now_} now" if then != now_ else f"{now_} as then, but other tokens"
+        beat.say(f"train-drafter: {method}: the training data is not what state.pt was trained on ({how}: another "
+                 "--data or --holdout, or a file changed); training goes on with it, on other batches than the "
+                 "stopped run's")
 
 
 def evaluate(runs: list[MethodRun], features: TargetFeatures, held: list[DeviceBatch], device: torch.device) -> None:
@@ -232,8 +298,9 @@ def method_folders(args: argparse.Namespace) -> dict[str, tuple[Path, Path | Non
 
 
 def start_method(args: argparse.Namespace, method: str, out: Path, init: Path | None, target_cfg: ModelConfig,
-                 data: Sequences, device: torch.device, beat: Heartbeat) -> MethodRun:
-    """A method's drafter: new (seeded), from --init, or resumed from its folder's state.pt."""
+                 data: Sequences, fingerprint: dict[str, Any], device: torch.device, beat: Heartbeat) -> MethodRun:
+    """A method's drafter: new (seeded), from --init, or resumed from its folder's state.pt
+    (checked by `check_resume` first, so a refused run changes nothing)."""
     cls = trainable()[method]
     overrides = parse_overrides(args.set, method)
     saved: dict[str, Any] = {}
@@ -254,13 +321,19 @@ def start_method(args: argparse.Namespace, method: str, out: Path, init: Path | 
     params = [p for p in drafter.parameters() if p.requires_grad]
     # fused: one kernel for all parameters, its step counts on the device (not read by the host)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
-    run = MethodRun(method, cls, drafter, optimizer, params, out)
+    run = MethodRun(method, cls, drafter, optimizer, params, out, settings=settings(args, device), data=fingerprint)
     if (out / "state.pt").exists():  # resume
         state = torch.load(out / "state.pt", map_location=device, weights_only=False)
+        check_resume(args, method, out, state, fingerprint, device, beat)
         drafter.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         run.step, run.log = state["step"], state["log"]
-        beat.say(f"train-drafter: resuming {method} at step {run.step}")
+        run.tokens, run.seconds_before = state.get("tokens", 0), state.get("seconds", 0.0)
+        run.clock, run.runs, run.rng = list(state.get("clock", [])), list(state.get("runs", [])), state.get("rng")
+        killed = sum(r["stopped_by"] is None for r in run.runs)
+        lost = f"; {killed} ended without their final save" if killed else ""
+        beat.say(f"train-drafter: resuming {method} at step {run.step} ({len(run.runs)} runs before this one{lost})")
+    run.begin_run()
     return run
 
 
@@ -301,6 +374,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     size_defaults(args, device.type == "cuda")
     if args.eval_every < 1 or args.eval_batches < 1:
         raise InvalidInputError("--eval-every and --eval-batches: expected >= 1")
+    if args.seed < 0:
+        raise InvalidInputError(f"--seed: expected >= 0, got {args.seed}")
     folders = method_folders(args)
     for out, _ in folders.values():
         out.mkdir(parents=True, exist_ok=True)
@@ -343,9 +418,10 @@ def train_and_save(args: argparse.Namespace, data: Sequences, folders: dict[str,
     path = resolve(args.target)
     target_cfg = read_config(path)
     data, held_data = split_data(data, args.holdout, beat)
-    runs = [start_method(args, m, out, init, target_cfg, data, device, beat) for m, (out, init) in folders.items()]
+    fingerprint = data.fingerprint()
+    runs = [start_method(args, m, out, init, target_cfg, data, fingerprint, device, beat)
+            for m, (out, init) in folders.items()]
     meter = Meter(device)
-    started = time.monotonic()
     why = "steps"
     if stopped is not None:
         why = "interrupted"
@@ -358,13 +434,11 @@ def train_and_save(args: argparse.Namespace, data: Sequences, folders: dict[str,
         except KeyboardInterrupt as e:
             stopped, why = e, "interrupted"
             beat.say("train-drafter: interrupted: saving what was trained")
-    elapsed = time.monotonic() - started
     summaries = {}
     saving = time.monotonic()
     with beat.watch(lambda: f"train-drafter: saving, {time.monotonic() - saving:.0f} s"):
         for r in runs:
-            summaries[r.method] = save_run(args, r, runs, meter, elapsed, len(data), len(held_data), device, why,
-                                           beat)
+            summaries[r.method] = save_run(args, r, runs, meter, len(data), len(held_data), device, why, beat)
     meter.close()
     if stopped is not None:
         raise stopped
@@ -376,7 +450,9 @@ def fit(args: argparse.Namespace, runs: list[MethodRun], data: Sequences, held_d
     """The training loop, until --steps or the time to save; returns which ended it ("steps" or
     "deadline"). A step starts only when the mean step so far still fits before the deadline, a
     held-out measurement only when its estimate does; a line comes every --log-every steps or
-    10 s (`heartbeat`: while a long step runs too)."""
+    10 s (`heartbeat`: while a long step runs too). A resumed run goes on from the step its runs
+    are at, with the batches of those steps and the random state its state.pt saved; the
+    training clock runs from the first step to the last measurement."""
     on_gpu = device.type == "cuda"
     loading = time.monotonic()
     with beat.watch(lambda: f"train-drafter: loading the target, {time.monotonic() - loading:.0f} s"):
@@ -389,8 +465,30 @@ def fit(args: argparse.Namespace, runs: list[MethodRun], data: Sequences, held_d
         args.eval_batches))
     span = f", for {max(0.0, budget.training_end - time.monotonic()):.0f} s" if budget.limited else ""
     beat.say(f"train-drafter: training on {len(data)} sequences, {len(held_data)} held out{span}")
-    rng = np.random.default_rng(args.seed + first)
-    feed = DeviceFeed(batches(data, args.batch_size, args.seq_len, rng), device)
+    if len({r.step for r in runs if r.step < args.steps}) > 1:
+        at = ", ".join(f"{r.method} {r.step}" for r in runs)
+        beat.say(f"train-drafter: the methods resume at different steps ({at}): the batches follow step {first}, so "
+                 "those further on see other batches than they would alone")
+    feed = DeviceFeed(step_batches(data, args.batch_size, args.seq_len, args.seed, first), device)
+    saved = next((r.rng for r in runs if r.step == first and r.rng is not None), None)
+    if saved is not None:  # the random stream where the stopped run left it, after whatever loading drew
+        set_rng_state(saved, device)
+    for r in runs:
+        r.drafter.train()
+        r.start_clock()
+    started = time.monotonic()
+    try:
+        return train_loop(args, runs, held, features, feed, device, budget, beat, meter, first, started)
+    finally:
+        for r in runs:
+            r.stop_clock()
+
+
+def train_loop(args: argparse.Namespace, runs: list[MethodRun], held: list[DeviceBatch], features: TargetFeatures,
+               feed: DeviceFeed, device: torch.device, budget: Budget, beat: Heartbeat, meter: Meter, first: int,
+               started: float) -> str:
+    """`fit`'s steps, measurements and saves, from step `first`; returns what ended them."""
+    on_gpu = device.type == "cuda"
     name = "+".join(r.method for r in runs)
     bar = tqdm(total=args.steps, initial=first, desc=f"training {name}", unit="step", file=sys.stderr, disable=None)
     log_every = max(1, args.log_every)
@@ -402,9 +500,6 @@ def fit(args: argparse.Namespace, runs: list[MethodRun], data: Sequences, held_d
         return (f"train-drafter: {name} {doing.what} running for {time.monotonic() - doing.since:.0f} s"
                 f"{until(budget)}")
 
-    for r in runs:
-        r.drafter.train()
-    started = time.monotonic()
     why = "steps"
     with bar, beat.watch(status):
         while any(r.step < args.steps for r in runs):
@@ -414,7 +509,7 @@ def fit(args: argparse.Namespace, runs: list[MethodRun], data: Sequences, held_d
                 why = "deadline"
                 break
             stepped = [r for r in runs if r.step < args.steps]
-            lrs = [lr_at(r.step, args, budget.done(started)) for r in stepped]
+            lrs = [lr_at(r.step, args) for r in stepped]
             doing.start(f"step {max(r.step for r in stepped) + 1}")
             meter.begin()
             with syncs_fail(args.sync_check and on_gpu):
@@ -461,18 +556,23 @@ def eval_estimate(held: list[DeviceBatch], per_step: float) -> float:
     return 0.5 * per_step * len(held)
 
 
-def save_run(args: argparse.Namespace, r: MethodRun, runs: list[MethodRun], meter: Meter, elapsed: float,
-             sequences: int, held_out: int, device: torch.device, why: str, beat: Heartbeat) -> dict[str, Any]:
-    """One method's checkpoint, state.pt, train_log.json and loss.png; returns its summary."""
-    r.save_state()
+def save_run(args: argparse.Namespace, r: MethodRun, runs: list[MethodRun], meter: Meter, sequences: int,
+             held_out: int, device: torch.device, why: str, beat: Heartbeat) -> dict[str, Any]:
+    """One method's checkpoint, state.pt, train_log.json and loss.png; returns its summary:
+    steps, tokens and training seconds in all, over every run of the training (`runs` of them,
+    one entry each in `each_run`, this one last), and this run's settings and throughput."""
+    r.save_state(why)
     r.cls.save(r.out, r.drafter)
     n_params = sum(p.numel() for p in r.params)
-    summary = {"method": r.method, "steps": r.step, "parameters": n_params, "seconds": elapsed,
-               "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr, "sequences": sequences,
-               "held_out": held_out, "trained_with": [x.method for x in runs], "stopped_by": why,
+    each_run = [*r.runs, r.run_entry(why)]
+    summary = {"method": r.method, "steps": r.step, "tokens": r.tokens, "seconds": r.seconds(),
+               "runs": len(each_run), "parameters": n_params, "batch_size": args.batch_size,
+               "seq_len": args.seq_len, "lr": args.lr, "warmup": args.warmup, "planned_steps": args.steps,
+               "seed": args.seed, "sequences": sequences, "held_out": held_out, "data": r.data,
+               "trained_with": [x.method for x in runs], "stopped_by": why,
                "config": msgspec.to_builtins(r.drafter.config), "final": r.log[-1] if r.log else {},
-               "device": str(device), "throughput": meter.total()}
-    (r.out / "train_log.json").write_text(train_log_text(summary, r.log))
+               "device": str(device), "throughput": meter.total(), "each_run": each_run}
+    (r.out / "train_log.json").write_text(train_log_text(summary, r.log, r.clock))
     plot_loss(r.log, r.out / "loss.png", r.method)
     beat.say(f"train-drafter: {r.method} {r.step} steps ({why}), {n_params / 1e6:.1f}M parameters -> {r.out}")
     return summary
@@ -485,7 +585,7 @@ def interval_postfix(runs: list[MethodRun], shown: dict[str, int], rates: dict[s
     GPU utilisation with where it comes from. `shown` is how much of each log was shown before."""
     postfix: dict[str, str] = {}
     for r in runs:
-        new = [{k: v for k, v in e.items() if k != "step" and not k.startswith("val_")}
+        new = [{k: v for k, v in e.items() if k not in ("step", "tokens") and not k.startswith("val_")}
                for e in r.log[shown[r.method]:]]
         shown[r.method] = len(r.log)
         means = {k: sum(e[k] for e in new if k in e) / sum(k in e for e in new) for k in (new[-1] if new else {})}
@@ -499,12 +599,17 @@ def interval_postfix(runs: list[MethodRun], shown: dict[str, int], rates: dict[s
     return postfix
 
 
-def train_log_text(summary: dict[str, Any], log: list[dict[str, float]]) -> str:
+def train_log_text(summary: dict[str, Any], log: list[dict[str, float]],
+                   clock: list[tuple[int, float]] | None = None) -> str:
     """train_log.json: the summary, then one line per step with its figures to 5 decimals, so the
-    log of a run of thousands of steps stays small enough to keep beside its checkpoint."""
+    log of a run of thousands of steps stays small enough to keep beside its checkpoint; then
+    `clock`, [step, training seconds so far] at each read of the device (the time axis of the
+    curve; not in the steps' lines, which stay the same whatever the clock said)."""
     steps = ",\n  ".join(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in e.items()})
                          for e in log)
-    return f'{{"summary": {json.dumps(summary, indent=1)},\n "log": [\n  {steps}\n ]\n}}\n'
+    times = ",\n  ".join(json.dumps([step, round(seconds, 3)]) for step, seconds in clock or [])
+    return (f'{{"summary": {json.dumps(summary, indent=1)},\n "log": [\n  {steps}\n ],\n'
+            f' "clock": [\n  {times}\n ]\n}}\n')
 
 
 def plot_loss(log: list[dict[str, float]], path: Path, title: str) -> None:

@@ -4,7 +4,8 @@ A pageable host-to-device copy holds the host until the copy has run, and the co
 every kernel queued before it: a host sync at the start of every step. Here each batch goes
 through pinned memory, copied non-blocking on a side stream one batch ahead, so the next
 batch is built and copied while the device still runs the step before it, and the host keeps
-queueing work.
+queueing work. Building a batch ahead loses nothing when a run stops: each step's batch is a
+function of the seed and the step (`data.step_batches`), so a resumed run builds it again.
 """
 
 from __future__ import annotations
