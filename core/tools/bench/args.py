@@ -4,9 +4,11 @@ scenarios (so the CLI starts without torch); `bench.main` imports the one that r
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any, NamedTuple
 
 from ... import registry
+from ...sampling_params import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 SCENARIOS = {
     "accept": "acceptance per speculator on HumanEval",
@@ -119,15 +121,20 @@ def repeats_flag(p: argparse.ArgumentParser) -> None:
                         "min-max spread (default: 3: one run on a shared or CPU host can be off by 10%% or more)")
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (argparse type)."""
+def int_at_least(text: str, least: int) -> int:
+    """An integer >= least (the body of argparse types)."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (argparse type)."""
+    return int_at_least(text, 1)
 
 
 def int_list(text: str, least: int = 1) -> list[int]:
@@ -168,7 +175,38 @@ def accept_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: all of the dataset)")
     p.add_argument("--concurrency", type=int, default=0,
                    help="requests in flight at once (0: all; 1 gives tokens/s at batch 1)")
+    p.add_argument("--temperature", type=temperature_list, default=[0.0], metavar="T[,T...]",
+                   help="temperatures, comma-separated: every run, none included, at each (0,1: greedy and "
+                        "sampled tables side by side; default: 0)")
+    p.add_argument("--seed", type=seed_value, default=0, metavar="S",
+                   help="at a temperature above 0, request i samples with seed S+i, so a run repeats (default: 0)")
     engine_flags(p)
+
+
+def temperature_list(text: str) -> list[float]:
+    """`0,1` → [0.0, 1.0], each once, in the order given (argparse type): a bad one is refused
+    before anything runs, not after the runs at the temperatures before it."""
+    values: list[float] = []
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            value = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected temperatures (numbers >= 0) separated by commas, "
+                                             f"got {text!r}") from None
+        if not math.isfinite(value) or not 0.0 <= value <= MAX_TEMPERATURE:
+            raise argparse.ArgumentTypeError(f"expected temperatures in [0, {MAX_TEMPERATURE:g}], got {part!r}")
+        if 0.0 < value < MIN_TEMPERATURE:  # the engine samples these greedily: the row would say otherwise
+            raise argparse.ArgumentTypeError(f"temperature {part!r} is below {MIN_TEMPERATURE:g}, which samples "
+                                             "greedily: write 0")
+        values.append(value)
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected temperatures (numbers >= 0) separated by commas, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
+def seed_value(text: str) -> int:
+    """An integer >= 0 (argparse type): seeds are unsigned."""
+    return int_at_least(text, 0)
 
 
 def decode_arguments(p: argparse.ArgumentParser) -> None:
@@ -255,6 +293,9 @@ def grammar_arguments(p: argparse.ArgumentParser) -> None:
                         + ", ".join(GRAMMAR_MODES) + ")")
     p.add_argument("--forced-drafts", type=on_off_list, default=["on", "off"],
                    help="verify the tokens a grammar forces as drafts: on, off or both (default: on,off)")
+    p.add_argument("--late-masks", type=on_off_list, default=["on"],
+                   help="without a speculator, constrained rows run ahead and get their masks after launch (on), or "
+                        "wait for their frames (off), or both, compared (default: on)")
     engine_flags(p, max_num_seqs=64, max_model_len=1024, process=False)
 
 
