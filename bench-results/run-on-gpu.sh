@@ -126,7 +126,7 @@ for d in sorted(out.glob("accept_*")):
     r = json.loads((d / "accept.json").read_text())
     for name, run in r["runs"].items():
         rows.append((d.name, name, f"mean acceptance length {run['spec']['mean_acceptance_length']:.2f}, "
-                     f"{run['tokens_per_s']:.0f} tok/s, identical {run['identical_to_no_speculation']}"))
+                     f"{run['tokens_per_s']:.0f} tok/s, identical {f(run['identical_to_no_speculation'], 'd')}"))
 print("| scenario | run | figures |\n|---|---|---|")
 for row in rows:
     print("| " + " | ".join(row) + " |")

@@ -37,6 +37,7 @@ from ..models.paged import kv_bytes_per_block
 from ..ops.jit_watch import WATCH as JIT_WATCH
 from ..platform import parse_dtype
 from ..plugin import Speculator, SpeculatorCapabilities, drafting_kind
+from ..runner.late_masks import LateMasks
 from ..runner.model_runner import ModelRunner
 from ..runner.step_graphs import StepGraphs
 from ..sampling_params import sampling_params
@@ -81,6 +82,8 @@ class InFlight(NamedTuple):
     frame: StepFrame
     started: float
     launched: Future[PendingResult]
+    late: LateMasks | None = None
+    """Its run-ahead grammar rows' masks, delivered once the frames before it are applied."""
 
 
 class EngineCore:
@@ -134,6 +137,8 @@ class EngineCore:
                                        prompt_steps_per_decode=config.prompt_steps_per_decode,
                                        prompt_batch=self._prompt_batch(),
                                        grammar_drafts=config.forced_drafts(k, caps is not None and caps.sampled_drafts))
+            self.scheduler.late_masks_ok = (config.late_masks and config.async_scheduling and not pipeline
+                                            and config.data_parallel_size == 1)
             self.ledger = Ledger(self.scheduler)
             self.governor = self._governor(caps, k)  # times the graphs: on the device too
             if self.governor is not None:
@@ -162,6 +167,11 @@ class EngineCore:
         self.running = True
         self.num_steps = 0
         self.gaps = DeviceGaps()
+        self.late_pending: dict[int, InFlight] = {}
+        """Frames in flight whose late masks are not delivered yet, by step id."""
+        self.num_late_mask_steps = 0
+        self.late_mask_wait_s = 0.0
+        """How long the late masks held their steps' sampling (the device waited on the host)."""
         self.host = HostTimes()
         self.num_prompt_tokens = 0
         self.started = time.monotonic()
@@ -338,6 +348,8 @@ class EngineCore:
             "kv_blocks_free": blocks.num_free,
             "uptime_s": time.monotonic() - self.started,
             **self.gaps.stats(),
+            "num_late_mask_steps": self.num_late_mask_steps,
+            "late_mask_wait_s": self.late_mask_wait_s,
             **self.host.stats(),
             "device_s": self.runner.device_s,
             **parallel,
@@ -511,8 +523,7 @@ class EngineCore:
                 if self.compiling and (refused := self.admit_compiled()):
                     await emit(CoreOutputs(refused))
                 while len(in_flight) < depth and (frame := self._schedule()) is not None:
-                    self.ledger.submit(frame)
-                    in_flight.append(InFlight(frame, time.perf_counter(), runner.submit(self._launch, frame)))
+                    in_flight.append(self._submit(frame, runner))
                 if not in_flight:
                     self.gaps.no_work()
                     await self._idle()
@@ -521,9 +532,14 @@ class EngineCore:
                 result = await anyio.to_thread.run_sync(_finish, oldest.launched)
                 self.gaps.applied(len(in_flight))
                 deltas = self._apply(result, oldest.frame, oldest.started)
+                self._deliver_late_masks(result.step_id, oldest.late)
                 if deltas:
                     await emit(CoreOutputs(deltas))
         finally:
+            for pending in self.late_pending.values():
+                assert pending.late is not None
+                pending.late.release()
+            self.late_pending.clear()
             runner.shutdown(wait=True, cancel_futures=True)
             self.grammars.close()
             self.close()
@@ -592,6 +608,35 @@ class EngineCore:
     def _schedule(self) -> StepFrame | None:
         with self.host.timed("schedule"):
             return self.scheduler.schedule()
+
+    def _submit(self, frame: StepFrame, runner: ThreadPoolExecutor) -> InFlight:
+        """The frame to the ledger and to the runner thread. A frame with rows run ahead under a
+        grammar gets late masks: its launch stages them behind a gate that `_deliver_late_masks`
+        opens."""
+        self.ledger.submit(frame)
+        late = None
+        if any(r.mask_later for r in frame.rows):
+            assert isinstance(self.runner, ModelRunner), "late masks need the runner in this process"
+            late = self.runner.late_masks[frame.step_id] = LateMasks(self.platform.host_gate())
+        submitted = InFlight(frame, time.perf_counter(), runner.submit(self._launch, frame), late)
+        if late is not None:
+            self.late_pending[frame.step_id] = submitted
+        return submitted
+
+    def _deliver_late_masks(self, applied: int, late: LateMasks | None) -> None:
+        """Step `applied` was applied (late: its own late masks, now passed): the late masks of
+        every frame whose rows read nothing later are computed (the grammars consume the tokens
+        just applied) and delivered."""
+        if late is not None:
+            self.num_late_mask_steps += 1
+            self.late_mask_wait_s += late.held_s
+        for step_id, pending in list(self.late_pending.items()):
+            if all(r.prev_step_id <= applied for r in pending.frame.rows if r.mask_later):
+                assert pending.late is not None
+                with self.host.timed("masks"):
+                    masks = self.scheduler.late_masks(pending.frame)
+                pending.late.deliver(masks, pending.launched.done)
+                del self.late_pending[step_id]
 
     def _launch(self, frame: StepFrame) -> PendingResult:
         """The runner thread's launch of a frame, timed (its host time, and the device's gaps)."""

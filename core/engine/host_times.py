@@ -1,6 +1,7 @@
 """Where the engine core's host time goes: scheduling a frame (the grammars' masks included),
 launching it (the runner's plan, its copy to the device, the graph replay or the eager
-launches) and applying its result (the ledger, the governor). With the rows launched, `bench
+launches), applying its result (the ledger, the governor) and the masks of grammar rows run
+ahead, computed once the frame before them is applied (`runner.late_masks`). With the rows launched, `bench
 decode` turns these into host time per step and per row beside the step period, which is what
 says whether the host or the device sets the pace at high concurrency.
 """
@@ -11,7 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-PHASES = ("schedule", "launch", "apply")
+PHASES = ("schedule", "launch", "apply", "masks")
 
 
 class HostTimes:

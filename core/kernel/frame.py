@@ -59,6 +59,10 @@ class ScheduledRow(msgspec.Struct, frozen=True, array_like=True):
     """Structured output: the first num_forced of draft_token_ids are tokens the grammar forces
     (its only continuation), not a speculator's: nothing wrote them on the device, so the runner
     writes them with the host tokens."""
+    mask_later: bool = False
+    """Structured output, run ahead: the row's mask needs the token its frame in flight samples,
+    so the host fills it after launching the step, while the device runs the forward; the
+    sampling waits for it on the device (`runner.late_masks`)."""
 
     @property
     def num_drafts(self) -> int:

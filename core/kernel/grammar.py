@@ -1,7 +1,8 @@
 """Grammar state of structured-output requests: compiled off the step loop, one matcher per request.
 
 Invariant: a request's matcher only ever consumes its confirmed output tokens (`sync`, before
-each of its rows). What the grammar forces next (`forced`) goes ahead of a speculator's drafts,
+each of its rows; a row run ahead of its frame in flight gets its mask after that frame is
+applied, `Scheduler.late_masks`). What the grammar forces next (`forced`) goes ahead of a speculator's drafts,
 or alone. Scheduling a row keeps the longest prefix of its drafts the grammar accepts (`valid`,
 which leaves the matcher where it was); then the masks of every row of the step are computed
 at once, in parallel, outside the GIL (`fill_masks`): one token bitmask per verified position
@@ -34,6 +35,9 @@ class RequestGrammar:
         self.eos_token_ids = eos_token_ids
         self.num_output = 0
         """Output tokens the matcher has consumed."""
+        self.forcing = False
+        """When last asked (`forced`), the grammar forced more tokens than the row could take: its
+        next row waits for its frame instead of running ahead, so the rest go in as drafts."""
 
     def sync(self, output_token_ids: list[int]) -> None:
         """Consumes the output confirmed since the last call."""
@@ -47,8 +51,11 @@ class RequestGrammar:
         """Up to limit tokens the grammar forces next (its only continuation: a fixed key, a
         closing brace), after `sync`: drafts that cost no drafter. The matcher does not move."""
         if limit <= 0 or self.matcher.is_error() or self.matcher.is_stopped():
+            self.forcing = False
             return []
-        return list(self.matcher.compute_ff_tokens()[:limit])
+        forced = list(self.matcher.compute_ff_tokens())
+        self.forcing = len(forced) > limit
+        return forced[:limit]
 
     def valid(self, drafts: list[int]) -> list[int]:
         """The longest prefix of drafts the grammar accepts after `sync`; the matcher does not move."""

@@ -73,6 +73,10 @@ class Scheduler:
         self.generations = itertools.count(1)
         self.num_invalid_drafts = 0
         """Drafts the grammar of a structured-output request refused (never verified)."""
+        self.late_masks_ok = False
+        """The engine fills a run-ahead row's mask after launching its step (`late_masks`): a
+        structured-output request without drafts runs ahead like any other (set by the engine
+        where the runner supports it)."""
         self.draft_gate: Callable[[int], bool] | None = None
         """Asked, for a step of that many rows, whether it may draft (the speculation governor)."""
 
@@ -95,8 +99,11 @@ class Scheduler:
         so only with run-ahead (drafts that stay on the device): its next step is planned as if
         every draft in flight is accepted."""
         if not (self.async_scheduling and req.in_flight == 1 and req.num_placeholders == 1
-                and self.may_continue(req)) or req.grammar is not None:  # its mask needs the token
+                and self.may_continue(req)):
             return False
+        if req.grammar is not None:  # its mask needs the token in flight: filled after launch, or it waits
+            return (self.late_masks_ok and self.spec is None and not req.grammar.forcing
+                    and req.num_computed_tokens == req.num_tokens)
         if self.spec is None:  # on pipeline stages too: the first reads the input from the last's token window
             return req.num_computed_tokens == req.num_tokens
         # Planned as if every draft in flight is accepted: it must fit that case too, or its
@@ -308,7 +315,8 @@ class Scheduler:
              placeholder_inputs: int = 0, shifted: bool = False, num_forced: int = 0) -> ScheduledRow:
         start = req.num_computed_tokens
         final = req.samples_after(n + placeholder_inputs)
-        if req.grammar is not None and final:
+        late = req.grammar is not None and final and placeholder_inputs > 0
+        if req.grammar is not None and final and not late:
             req.grammar.sync(req.output_token_ids)
             valid = req.grammar.valid(drafts)
             self.masking[req.key] = (req.grammar, valid)  # its masks come with the step's (`_frame`)
@@ -328,7 +336,25 @@ class Scheduler:
         req.schedule_row(self.next_step_id, n + placeholder_inputs, len(drafts) + slots)
         return ScheduledRow(req.key, req.generation, req.slot, start, req.token_ids(start, start + n),
                             list(req.block_ids), sampling, drafts, slots, placeholder_inputs, prev_step, shifted,
-                            num_forced=min(num_forced, len(drafts)))
+                            num_forced=min(num_forced, len(drafts)), mask_later=late)
+
+    def late_masks(self, frame: StepFrame) -> list[bytes]:
+        """The masks of frame's run-ahead rows (`ScheduledRow.mask_later`; b"" for the others), once
+        the frames before it are applied: each grammar consumes the token its row's input is, then
+        every mask is computed at once. A row whose request moved on (finished, failed, preempted)
+        gets none: its output is stale and dropped."""
+        late: dict[int, tuple[RequestGrammar, list[int]]] = {}
+        for row in frame.rows:
+            req = self.requests.get(row.key)
+            if not row.mask_later or req is None or req.generation != row.generation or req.grammar is None \
+                    or row.sampling is None or len(req.output_token_ids) != row.sampling.position:
+                continue
+            req.grammar.sync(req.output_token_ids)
+            if self.grammar_drafts:  # the row samples the first forced token; more: its next row waits to draft them
+                req.grammar.forced(1)
+            late[row.key] = (req.grammar, [])
+        masks = dict(zip(late, fill_masks(list(late.values())), strict=True))
+        return [masks.get(row.key, b"") for row in frame.rows]
 
     def _with_masks(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:
         """The grammar rows with their bitmasks, every row's computed at once (`grammar.fill_masks`)."""

@@ -26,6 +26,7 @@ step result says so (`StepResult.speculator_error`), so the engine can count it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import msgspec
@@ -41,6 +42,7 @@ from ..outputs import TokenLogprobs
 from ..plugin import Speculator, TargetModel
 from .drafting import DraftingPass, NoDrafting, drafting_pass
 from .host_copy import StepCopy, draft_lists
+from .late_masks import LateMasks
 from .penalties import count_history
 from .sampler import SamplingTensors, sample_on_device, token_logprobs
 from .step_graphs import StepGraphs
@@ -123,6 +125,9 @@ class ModelRunner:
         self.mask_widths: tuple[int, ...] = (0, width) if width else (0,)
         """Verify widths of the steps with a grammar that graphs may serve (none where the step
         does not sample: a pipeline stage before the last)."""
+        self.late_masks: dict[int, LateMasks] = {}
+        """Steps whose run-ahead grammar rows get their masks after launch, by step id: the engine
+        puts one here before it submits the frame, the launch takes it."""
         self.graphs: StepGraphs | None = None
         """Captured decode and verification steps, when the engine captured them."""
         self.device_s: float | None = None if device.type == "cpu" else 0.0
@@ -198,7 +203,7 @@ class ModelRunner:
                          decode_like=all(r.sampling is not None and r.num_tokens == 1 + r.num_drafts for r in rows),
                          propose_width=self.drafting.propose_width(frame),
                          logprobs=max((s.logprobs for s in sampling), default=-1),
-                         constrained=bool(self.mask_widths) and any(r.token_bitmask for r in rows))
+                         constrained=bool(self.mask_widths) and any(r.token_bitmask or r.mask_later for r in rows))
 
     def plan(self, frame: StepFrame, padded: StepShape | None) -> AttentionMetadata:
         """Packs the step's plan (padded to a captured shape, if given) and sends it to the device
@@ -250,11 +255,21 @@ class ModelRunner:
         position, from `masks` (filled before the step); logprob_rows [L]: the rows whose logprobs are
         computed (shape.logprobs top alternatives; None: every row's, as a captured graph does), from
         the same logits the step sampled or verified with, at each position."""
-        plan = STEP.on_device(meta)
+        return self.device_head(meta, shape, *self.device_body(meta, shape), logprob_rows)
+
+    def device_body(self, meta: AttentionMetadata, shape: StepShape) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The step's forward: what needs no token mask (a step whose masks come late runs it
+        before they are known)."""
         if self.run_ahead:
             self._move_back(meta)
+        return self.forward(meta)
+
+    def device_head(self, meta: AttentionMetadata, shape: StepShape, hidden: torch.Tensor,
+                    captured: dict[int, torch.Tensor], logprob_rows: torch.Tensor | None = None) -> DeviceOutputs:
+        """The step after its forward: sampling or verification (under the masks), the outputs
+        into the token buffer, the in-step drafting pass."""
+        plan = STEP.on_device(meta)
         slot, num_drafts, out_pos = STEP.of(plan, Col.SLOT), STEP.of(plan, Col.NUM_DRAFTS), STEP.of(plan, Col.OUT_POS)
-        hidden, captured = self.forward(meta)
         bitmask = self.masks.view(shape.rows, shape.verify_width + 1) if shape.constrained else None
         logits, out, nacc, real_drafts = self._sample_or_verify(meta, shape, hidden, bitmask)
         # Confirmed tokens land right after each row's last verified input; rows that do not
@@ -341,9 +356,17 @@ class ModelRunner:
     def _launch(self, frame: StepFrame) -> PendingStep:
         shape = self.step_shape(frame)
         padded = self.padded(frame, shape)
-        if shape.constrained:
-            run = padded or shape
+        late = self._late(frame)
+        if late is not None and padded is not None and self.graphs is not None and not self.graphs.splits(padded):
+            padded = None  # no graph to stop between forward and sampling: eagerly
+        run = padded or shape
+        between: Callable[[], None] | None = None
+        if shape.constrained and late is None:
             self.masks.fill([r.token_bitmask for r in frame.rows], run.rows, run.verify_width + 1)
+        elif late is not None:
+            staged, host = self.masks.stage([r.token_bitmask for r in frame.rows], run.rows, run.verify_width + 1)
+            late.staged(host)  # the engine may write the late masks from here on, while the forward runs
+            between = functools.partial(self._late_copy, late, staged, run)
         meta = self.plan(frame, padded)
         self.drafting.before(frame)
         self.write_host_tokens(meta)
@@ -355,11 +378,16 @@ class ModelRunner:
             clock[0].record()
         if padded is not None:
             assert self.graphs is not None
-            out = self.graphs.replay(padded)
+            out = self.graphs.replay(padded) if between is None else self.graphs.replay(padded, between)
             asked_rows = list(range(len(frame.rows))) if asked else []  # the graph computed every row's
         else:
             logprob_rows = torch.tensor(asked, dtype=torch.int64, device=self.device) if asked else None
-            out = self.device_step(meta, shape, logprob_rows)
+            if between is None:
+                out = self.device_step(meta, shape, logprob_rows)
+            else:
+                body = self.device_body(meta, shape)
+                between()
+                out = self.device_head(meta, shape, *body, logprob_rows)
             asked_rows = asked
         if clock is not None:
             clock[1].record()  # before the step's copy, so the copy's event passing means this one did
@@ -368,6 +396,21 @@ class ModelRunner:
         copy = self._copy(frame, out, len(asked_rows))
         outcome = self.drafting.after(frame, meta, out, copy, self.isolate_speculator)
         return PendingStep(lambda: self._timed(clock, self.finish(frame, copy, outcome, asked_rows)), copy.ready)
+
+    def _late(self, frame: StepFrame) -> LateMasks | None:
+        """The late masks of a frame with rows run ahead under a grammar (`ScheduledRow.mask_later`)."""
+        if not any(r.mask_later for r in frame.rows):
+            return None
+        late = self.late_masks.pop(frame.step_id, None)
+        if late is None:  # a launch tried again row by row after a failure: the masks were the first try's
+            raise RuntimeError(f"step {frame.step_id}: a row's grammar mask comes after launch, and none is expected")
+        return late
+
+    def _late_copy(self, late: LateMasks, staged: torch.Tensor, run: StepShape) -> None:
+        """Between forward and sampling: the masks' copy, behind the gate the engine opens."""
+        late.gate.enqueue()
+        late.gate.wait()
+        self.masks.send(staged, run.rows, run.verify_width + 1)
 
     def _timed(self, clock: tuple[torch.Event, torch.Event] | None, result: StepResult) -> StepResult:
         """Adds a finished step's device time (its events passed: reading them waits for nothing)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from tqdm import tqdm
@@ -84,6 +84,23 @@ def warm_eager(runner: StepDevice, verify_widths: Iterable[int], max_tokens: int
         runner.device_step(runner.plan(StepFrame(-1, []), shape), shape)
         steps += 1
     return steps
+
+
+class SplitGraph:
+    """A step captured in two graphs, the forward and what follows it, so the host can put work
+    between them in stream order (`late_masks`: the copy of masks known only after launch)."""
+
+    def __init__(self, body: DeviceGraph, head: DeviceGraph) -> None:
+        self.body, self.head = body, head
+
+    def replay(self, between: Callable[[], None] | None = None) -> None:
+        self.body.replay()
+        if between is not None:
+            between()
+        self.head.replay()
+
+    def pool(self) -> object:
+        return self.head.pool()
 
 
 class StepGraphs:
@@ -170,10 +187,22 @@ class StepGraphs:
     def _record(self, meta: AttentionMetadata, shape: StepShape) -> tuple[DeviceGraph, DeviceOutputs]:
         for _ in range(2):  # compiles kernels and settles the allocator outside the capture
             self.runner.device_step(meta, shape)
+        if shape.constrained and shape.decode_like:  # its masks may come after launch: in two parts
+            with self.platform.graph_capture(self.pool) as body:
+                hidden, captured = self.runner.device_body(meta, shape)
+            self.pool = body.pool()
+            with self.platform.graph_capture(self.pool) as head:
+                out = self.runner.device_head(meta, shape, hidden, captured)
+            self.pool = head.pool()
+            return SplitGraph(body, head), out
         with self.platform.graph_capture(self.pool) as graph:
             out = self.runner.device_step(meta, shape)
         self.pool = graph.pool()
         return graph, out
+
+    def splits(self, shape: StepShape) -> bool:
+        """The captured shape replays in two parts, with host work between them (`replay`)."""
+        return isinstance(self.graphs.get(shape, (None,))[0], SplitGraph)
 
     def _buffer_ptr(self) -> int:
         return self.runner.attention.buffer.data_ptr()
@@ -243,8 +272,14 @@ class StepGraphs:
         self.platform.synchronize()
         return (time.perf_counter() - started) / repeats
 
-    def replay(self, shape: StepShape) -> DeviceOutputs:
+    def replay(self, shape: StepShape, between: Callable[[], None] | None = None) -> DeviceOutputs:
+        """Replays the shape's graph; between: issued between its forward and the rest (a shape
+        that `splits`)."""
         graph, out = self.graphs[shape]
-        graph.replay()
+        if between is not None:
+            assert isinstance(graph, SplitGraph), "only a split graph has room between its parts"
+            graph.replay(between)
+        else:
+            graph.replay()
         self.num_replays += 1
         return out

@@ -33,6 +33,12 @@ class TokenMasks:
     def fill(self, masks: Sequence[bytes], rows: int, positions: int) -> torch.Tensor:
         """Stages the frame rows' masks (`ScheduledRow.token_bitmask`, b"" for none) in the first
         rows, all ones elsewhere, and copies them into `view(rows, positions)` in one copy."""
+        staged, _ = self.stage(masks, rows, positions)
+        return self.send(staged, rows, positions)
+
+    def stage(self, masks: Sequence[bytes], rows: int, positions: int) -> tuple[torch.Tensor, np.ndarray]:
+        """(the staging array, its [rows, positions, W] host view) holding the masks, all ones
+        elsewhere: rows whose masks come later (`late_masks`) are written there before `send` runs."""
         if rows > self.rows or positions > self.positions or len(masks) > rows:
             raise ValueError(f"a step of {rows} rows x {positions} positions exceeds the mask buffer "
                              f"({self.rows} x {self.positions})")
@@ -40,10 +46,19 @@ class TokenMasks:
         host = staged.numpy().reshape(rows, positions, self.words)
         host.fill(-1)
         for i, mask in enumerate(masks):
-            if mask:
-                allowed = np.frombuffer(mask, np.int32).reshape(-1, self.words)[:positions]
-                host[i, : len(allowed)] = allowed
+            put(host, i, mask)
+        return staged, host
+
+    def send(self, staged: torch.Tensor, rows: int, positions: int) -> torch.Tensor:
+        """The staged masks into `view(rows, positions)`, one copy the host does not wait for."""
         device = self.view(rows, positions)
         device.view(-1).copy_(staged, non_blocking=self.staging.pinned)
         self.staging.copied()
         return device
+
+
+def put(host: np.ndarray, row: int, mask: bytes) -> None:
+    """One row's mask (b"": none, all ones stay) into a staged [rows, positions, W] view."""
+    if mask:
+        allowed = np.frombuffer(mask, np.int32).reshape(-1, host.shape[2])[: host.shape[1]]
+        host[row, : len(allowed)] = allowed

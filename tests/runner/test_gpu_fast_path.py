@@ -233,6 +233,32 @@ def test_structured_steps_replay_graphs_and_equal_the_eager_engine(model_path: P
 
 
 @pytest.mark.slow
+def test_constrained_rows_run_ahead_on_split_graphs_and_equal_rows_that_wait(model_path: Path,  # type: ignore[no-untyped-def]
+                                                                             tokenizer) -> None:
+    """Through the core's loop (two frames in flight): constrained rows run ahead, their steps
+    replay the graphs split between forward and sampling, the masks go in behind the stream's
+    gate, and the output equals the engine whose constrained rows wait for their frames (float32)."""
+    from speckernel.sampling_params import StructuredOutput
+    from tests.engine.pipeline_util import run_loop
+
+    ids = prompts(tokenizer, ["Describe a person as JSON:", "A user record in JSON:", "JSON for a cat:"])
+    params = SamplingParams(max_tokens=48, temperature=0.0, structured=StructuredOutput.of_schema(SCHEMA))
+    outs, stats = [], []
+    for late in (False, True):
+        core = EngineCore(config(False, late_masks=late))
+        try:
+            outs.append(run_loop(core, ids, params))
+            stats.append(core.stats())
+        finally:
+            core.close()
+    assert outs[1] == outs[0]
+    waited, ahead = stats
+    assert ahead["num_late_mask_steps"] > 0 and waited["num_late_mask_steps"] == 0
+    assert ahead["num_steps"] - ahead["num_graph_steps"] <= len(ids), "the run-ahead constrained steps replayed"
+    assert 0 <= ahead["late_mask_wait_s"] < ahead["uptime_s"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [{}, {"speculator": "mtp", "num_speculative_tokens": 3}])
 def test_steps_with_penalties_and_logprobs_replay_graphs_and_equal_the_eager_engine(  # type: ignore[no-untyped-def]
         model_path: Path, tokenizer, spec: dict) -> None:

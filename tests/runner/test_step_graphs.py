@@ -74,7 +74,8 @@ class ReplayGraphs(StepGraphs):
     def _record(self, meta: AttentionMetadata, shape: StepShape) -> tuple[ReplayGraph, None]:  # type: ignore[override]
         return ReplayGraph(lambda: self.runner.device_step(meta, shape)), None
 
-    def replay(self, shape: StepShape) -> DeviceOutputs:
+    def replay(self, shape: StepShape, between: Callable[[], None] | None = None) -> DeviceOutputs:
+        assert between is None, "a double's graph does not split"
         graph, _ = self.graphs[shape]
         self.num_replays += 1
         return graph.replay()  # type: ignore[return-value]

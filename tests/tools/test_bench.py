@@ -253,26 +253,34 @@ def test_grammar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     free text, with and without a speculator and forced drafts; a constrained row waits for its
     step's tokens, so the device waits for the host between its steps, and the report says how long."""
     report, rows = bench("grammar", ["--platform", "cpu", "--max-tokens", "8", "--num-prompts", "1",
-                                     "--concurrency", "1", "--speculator", "ngram"], tmp_path, monkeypatch)
+                                     "--concurrency", "1", "--speculator", "ngram", "--late-masks", "on,off"],
+                         tmp_path, monkeypatch)
     runs = report["runs"]
     modes = ("free", "json_schema", "boilerplate", "json_object", "regex", "choice")
-    assert [(r["speculator"], r["forced_drafts"], r["mode"]) for r in runs] == [
-        (s, f, m) for s in ("none", "ngram") for f in (True, False) for m in modes]
+    variants = [("none", f, late) for f in (True, False) for late in (True, False)]
+    assert [(r["speculator"], r["forced_drafts"], r["late_masks"], r["mode"]) for r in runs] == [
+        (*v, m) for v in [*variants, ("ngram", True, True), ("ngram", False, True)] for m in modes]
     for r in runs:
         assert set(r) >= STREAM_KEYS | {"ratio_to_free", "valid_outputs", "identical_to_none", "num_device_gaps",
-                                        "device_gap_ms", "device_gap_share", "identical_to_no_forced"}
-        # greedy float32: neither speculation nor forced drafts change a token
+                                        "device_gap_ms", "device_gap_share", "identical_to_no_forced",
+                                        "identical_to_no_late_masks", "num_late_mask_steps", "late_mask_wait_ms"}
+        # greedy float32: neither speculation, forced drafts nor late masks change a token
         assert r["identical_to_none"] == r["identical_to_no_forced"] == r["num_requests"] == 1
+        assert r["identical_to_no_late_masks"] in (1, None)
         assert r["num_forced_accepted"] == r["num_forced_drafts"], "a forced draft is the only token greedy can take"
         if not r["forced_drafts"]:
             assert r["num_forced_drafts"] == 0
-        elif r["mode"] in ("json_schema", "boilerplate"):  # a fixed key, an enum of one value
+        elif r["mode"] in ("json_schema", "boilerplate") and not r["late_masks"]:  # a fixed key, an enum of one value
             assert r["num_forced_drafts"] > 0, r
-        if r["mode"] != "free":  # every step of a constrained row waits for the one before
+        ahead = r["speculator"] == "none" and r["late_masks"]
+        if r["mode"] != "free" and ahead:  # rows run ahead: their masks came after launch
+            assert r["num_late_mask_steps"] > 0 and r["late_mask_wait_ms"] >= 0, r
+        elif r["mode"] != "free":  # every step of a constrained row waits for the one before
+            assert r["num_late_mask_steps"] == 0
             assert r["num_device_gaps"] >= r["num_steps"] - 2, r
             assert r["device_gap_ms"] > 0 and 0 < r["device_gap_share"] < 1
     assert r["mode"] == "choice" and r["valid_outputs"] == 1, "a choice fits in 8 tokens"
-    assert len(rows) == len(runs) and rows[1].startswith("| none | on | json_schema | 1 |")
+    assert len(rows) == len(runs) and rows[1].startswith("| none | on | on | json_schema | 1 |")
 
 
 def test_grammar_validators_check_every_constraint() -> None:

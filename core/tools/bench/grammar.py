@@ -108,12 +108,14 @@ def valid(text: str, mode: str) -> bool:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
-    outputs_of: dict[tuple[str, bool, str, int], list[list[int]]] = {}
+    outputs_of: dict[tuple[str, bool, bool, str, int], list[list[int]]] = {}
     info: Any = None
+    variants = [(f, late) for f in args.forced_drafts for late in args.late_masks]
     for name in [None, *(args.speculator or ["ngram", "eagle3", "dflash"])]:
-        for forced in args.forced_drafts:
+        for forced, late in variants if name is None else dict.fromkeys((f, args.late_masks[0]) for f, _ in variants):
+            # late masks serve rows without a speculator's drafts: one setting beside a speculator
             config = msgspec.structs.replace(with_speculator(base_config(args), args, name),
-                                             grammar_drafts=forced == "on")
+                                             grammar_drafts=forced == "on", late_masks=late == "on")
             async with AsyncEngine(config) as engine:
                 info = engine.info
                 prompts = [engine.encode_chat([{"role": "user", "content": REQUESTS[i % len(REQUESTS)]}])
@@ -122,25 +124,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 for mode in args.modes:
                     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured=constraint(mode))
                     for c in args.concurrency:
-                        desc = f"grammar {name or 'none'} forced={forced} {mode} c={c}"
+                        desc = f"grammar {name or 'none'} forced={forced} late={late} {mode} c={c}"
                         r = await run_streams(engine, prompts, params, c, desc)
                         outputs = r.pop("outputs")
                         r.pop("requests")
                         spec = config.speculator or "none"
-                        outputs_of[(spec, forced == "on", mode, c)] = outputs
-                        runs.append({"speculator": spec, "forced_drafts": forced == "on", "mode": mode,
+                        outputs_of[(spec, forced == "on", late == "on", mode, c)] = outputs
+                        runs.append({"speculator": spec, "forced_drafts": forced == "on", "late_masks": late == "on",
+                                     "mode": mode,
                                      **{k: r["spec"][k] for k in ("num_invalid_drafts", "num_forced_drafts",
                                                                  "num_forced_accepted")},
                                      "valid_outputs": sum(valid(engine.tokenizer.decode(o), mode) for o in outputs)}
                                     | r)
     for r in runs:
-        key = (r["speculator"], r["forced_drafts"], r["mode"], r["concurrency"])
-        free = next(x for x in runs if (x["speculator"], x["forced_drafts"], x["mode"], x["concurrency"])
-                    == (key[0], key[1], "free", key[3]))
+        spec, forced, late, mode, c = key = (r["speculator"], r["forced_drafts"], r["late_masks"], r["mode"],
+                                             r["concurrency"])
+        free = next(x for x in runs if (x["speculator"], x["forced_drafts"], x["late_masks"], x["mode"],
+                                        x["concurrency"]) == (spec, forced, late, "free", c))
         r["ratio_to_free"] = ratio(r["tokens_per_s"], free["tokens_per_s"])
-        same = [outputs_of.get(("none", key[1], key[2], key[3])), outputs_of.get((key[0], False, key[2], key[3]))]
-        r["identical_to_none"] = identical(outputs_of[key], same[0]) if same[0] is not None else None
-        r["identical_to_no_forced"] = identical(outputs_of[key], same[1]) if same[1] is not None else None
+        late_none = late if ("none", forced, late, mode, c) in outputs_of else not late
+        same = {"identical_to_none": ("none", forced, late_none, mode, c),
+                "identical_to_no_forced": (spec, False, late, mode, c),
+                "identical_to_no_late_masks": (spec, forced, False, mode, c)}
+        for field, other in same.items():
+            r[field] = identical(outputs_of[key], outputs_of[other]) if other in outputs_of else None
     return header("grammar") | {
         "platform": info.platform, "dtype": info.dtype,
         "device": device_name(registry.pick_platform(info.platform).device),
@@ -161,24 +168,33 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "parses, with exactly a schema's fields, types and enum values). Identical: token for token the output of "
         "the same constraint without speculation (same forced setting), and without forced drafts (same "
         "speculator). Device gaps: the device waiting for the host between two steps with nothing else in flight "
-        "(a constrained row waits for its step's tokens before its next mask), from the result to the return of "
-        "the next launch: the mean gap and the gaps' share of the run (on the CPU a launch runs the step itself, "
-        "so there a gap includes the step).",
+        "(a constrained row that waits for its step's tokens before its next mask), from the result to the return "
+        "of the next launch: the mean gap and the gaps' share of the run (on the CPU a launch runs the step itself, "
+        "so there a gap includes the step). late: without a speculator, constrained rows run ahead and their masks "
+        "come after launch (on), or they wait for their frames (off); late steps: steps whose masks came after "
+        "launch, and the mean time their sampling waited for them (the device, behind the gate; on the CPU the "
+        "runner's thread).",
         "",
-        "| speculator | forced | constraint | concurrency | tokens/s | vs free | TPOT p50 ms | mean acceptance length "
-        "| forced accepted | drafts cut by the grammar | graph steps | device gap ms | device gap share | valid "
-        "| identical to none | identical to forced off |",
-        "|---" * 16 + "|",
+        "| speculator | forced | late | constraint | concurrency | tokens/s | vs free | TPOT p50 ms "
+        "| mean acceptance length | forced accepted | drafts cut by the grammar | graph steps | device gap ms "
+        "| device gap share | late steps (wait ms) | valid | identical to none | identical to forced off "
+        "| identical to late off |",
+        "|---" * 19 + "|",
     ]
     for r in report["runs"]:
         n = r["num_requests"]
+        late = r.get("late_masks", False)
         lines.append(
-            f"| {r['speculator']} | {'on' if r['forced_drafts'] else 'off'} | {r['mode']} | {r['concurrency']} "
+            f"| {r['speculator']} | {'on' if r['forced_drafts'] else 'off'} | {'on' if late else 'off'} "
+            f"| {r['mode']} | {r['concurrency']} "
             f"| {r['tokens_per_s']:.1f} | {cell(r['ratio_to_free'])} | {cell(r['tpot_p50_ms'])} "
             f"| {cell(r['spec'].get('mean_acceptance_length'))} | {r['num_forced_accepted']}/{r['num_forced_drafts']} "
             f"| {r['num_invalid_drafts']} | {r['num_graph_steps']}/{r['num_steps']} "
-            f"| {cell(r['device_gap_ms'], '.2f')} | {cell(r['device_gap_share'], '.0%')} | {r['valid_outputs']}/{n} "
-            f"| {_of(r['identical_to_none'], n)} | {_of(r['identical_to_no_forced'], n)} |")
+            f"| {cell(r['device_gap_ms'], '.2f')} | {cell(r['device_gap_share'], '.0%')} "
+            f"| {r.get('num_late_mask_steps', 0)} ({cell(r.get('late_mask_wait_ms'), '.3f')}) "
+            f"| {r['valid_outputs']}/{n} "
+            f"| {_of(r['identical_to_none'], n)} | {_of(r['identical_to_no_forced'], n)} "
+            f"| {_of(r.get('identical_to_no_late_masks'), n)} |")
     lines += ["", f"json_schema: `{json.dumps(report['schema'])}`", "",
               f"boilerplate: `{json.dumps(report['boilerplate_schema'])}`", "",
               f"regex: `{report['regex']}`; choice: {', '.join(report['choices'])}"]
@@ -192,7 +208,8 @@ def _of(count: int | None, n: int) -> str:
 def plot(report: dict[str, Any], plt: Any) -> Any:
     concurrencies = report["concurrency"]
     fig, axes = plt.subplots(1, len(concurrencies), figsize=(5 * len(concurrencies), 4), squeeze=False)
-    runs = [r for r in report["runs"] if r["forced_drafts"] or not any(x["forced_drafts"] for x in report["runs"])]
+    runs = [r for r in report["runs"] if (r["forced_drafts"] or not any(x["forced_drafts"] for x in report["runs"]))
+            and (r.get("late_masks", True) or not any(x.get("late_masks") for x in report["runs"]))]
     for ax, c in zip(axes[0], concurrencies, strict=True):
         specs = list(dict.fromkeys(r["speculator"] for r in runs))
         modes = report.get("modes", GRAMMAR_MODES)
