@@ -73,8 +73,8 @@ def test_accept_at_temperatures_0_and_1(tmp_path: Path, monkeypatch: pytest.Monk
                                                                  for a in spec["acceptance_per_position"])
         assert runs[key]["tokens_per_s_ratio"] > 0
     assert runs["none"]["identical_to_no_speculation"] == runs["ngram"]["identical_to_no_speculation"] == 2
-    assert runs["none@T=1"]["identical_to_no_speculation"] is None
-    assert runs["ngram@T=1"]["identical_to_no_speculation"] is None
+    # sampled, seeded: verification draws the plain sampler's uniforms, so ngram gives the plain tokens
+    assert runs["none@T=1"]["identical_to_no_speculation"] == runs["ngram@T=1"]["identical_to_no_speculation"] == 2
 
     for key in ("none", "ngram"):
         assert [(p.temperature, p.seed) for p in seen[key][0]] == [(0.0, None)] * 2
@@ -87,7 +87,7 @@ def test_accept_at_temperatures_0_and_1(tmp_path: Path, monkeypatch: pytest.Monk
     assert "temperature 0 and 1" in text
     assert text.index("## Temperature 0") < text.index("| ngram | ") < text.index("## Temperature 1")
     assert [row.split(" | ")[0] for row in rows if not row.startswith("| speculator")] == ["| none", "| ngram"] * 2
-    assert rows[-1].endswith("| \N{EN DASH} |") and rows[1].endswith("| 2 |")  # ngram at T=1, ngram at T=0
+    assert rows[-1].endswith("| 2 |") and rows[1].endswith("| 2 |")  # ngram at T=1, ngram at T=0: both compared
 
 
 def test_a_report_from_before_temperatures_still_renders() -> None:

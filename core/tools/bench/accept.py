@@ -1,8 +1,9 @@
 """accept: acceptance of each speculator on the 164 HumanEval prompts, or on the 64 held-out
 general-chat requests (`--dataset chat`: how much holds off the code domain), as chats at each
 `--temperature` (default 0), next to a run without speculation on the same engine settings and
-temperature. At temperature 0 every speculative run must reproduce that run's output token for
-token; a sampled run's request i draws with seed `--seed` + i, so that it repeats.
+temperature. Every speculative run must reproduce that run's output token for token, sampled ones
+too (request i draws with seed `--seed` + i, and verification draws the plain sampler's
+uniforms), except a speculator whose drafts are sampled from its own distribution.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from ... import registry
 from ...config import EngineConfig
 from ...frontend.async_engine import AsyncEngine
 from ...progress import Progress
@@ -57,6 +59,12 @@ async def run_one(config: EngineConfig, conversations: list[list[dict[str, str]]
             "platform": info.platform, "dtype": info.dtype}
 
 
+def sampled_drafts(speculator: str | None) -> bool:
+    """The speculator's drafts are sampled from its own distribution (verified by rejection
+    sampling): its sampled output equals the plain run's in distribution only."""
+    return speculator is not None and registry.load("speculator", speculator).capabilities.sampled_drafts
+
+
 def request_params(max_tokens: int, temperature: float, seed: int, n: int) -> list[SamplingParams]:
     """Greedy requests as before; sampled request i with seed `seed + i`, so that a sampled run
     repeats and every run at that temperature draws from the same streams."""
@@ -93,14 +101,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     label = f"{label} " + ",".join(f"{k}={v}" for k, v in config.speculator_options.items())
             key = run_key(label, temperature)
             print(f"bench accept: {key} on {len(conversations)} prompts", file=sys.stderr)
-            runs[key] = {"name": label, "temperature": temperature} | await run_one(
+            runs[key] = {"name": label, "temperature": temperature,
+                         "coupled": temperature == 0.0 or not sampled_drafts(config.speculator)} | await run_one(
                 config, conversations, params, key, args.concurrency)
     for temperature in temperatures:
         none = runs[run_key("none", temperature)]
         for r in (r for r in runs.values() if r["temperature"] == temperature):
-            # Sampled outputs are not compared: a run at T > 0 reports acceptance, not a token check.
+            # Sampled too: verification draws the plain sampler's uniforms (`runner.verify`), so a seeded
+            # request gives the plain run's tokens, unless the drafts were sampled from a distribution
+            # of the drafter's own (`sampled_drafts`: equal in distribution only, not compared).
             r["identical_to_no_speculation"] = (
-                sum(a == b for a, b in zip(r["outputs"], none["outputs"], strict=True)) if temperature == 0.0
+                sum(a == b for a, b in zip(r["outputs"], none["outputs"], strict=True)) if r.pop("coupled")
                 else None)
             r["tokens_per_s_ratio"] = r["tokens_per_s"] / none["tokens_per_s"]
     for r in runs.values():
@@ -137,8 +148,9 @@ def markdown(report: dict[str, Any]) -> list[str]:
     for temperature in temperatures:
         lines += ["", f"## Temperature {temperature_text(temperature)}", ""]
         if temperature != 0.0:
-            lines += [f"Sampled: request i draws with seed {report.get('seed', 0)} + i. Outputs are not compared "
-                      f"with none's ({MISSING}).", ""]
+            lines += [f"Sampled: request i draws with seed {report.get('seed', 0)} + i; verification draws the plain "
+                      "sampler's uniforms, so the outputs equal none's token for token, unless the speculator's drafts "
+                      f"are sampled from its own distribution ({MISSING}).", ""]
         lines += [
             "| speculator | acceptance rate | mean acceptance length | acceptance per position | "
             "draft tokens | accepted | K=0 steps | host draft copies | steps | tokens/s | ratio to none "
