@@ -21,6 +21,8 @@
 #   at its chat template's user turn (temperature 1), none like a held-out general-chat request;
 #   then the target's answers to them, greedy and one sampled per temperature of $CHAT_SAMPLED
 #   (default "0.8 1.0"), $SHARDS_PER_GPU engines per GPU. PHASE=train trains on them beside the rest.
+# FOLLOW_UPS (default 0.3): the share of conversations that get a second user turn after the whole
+#   answer (train-drafter --follow-ups), answered with the first answer in the context.
 # SAMPLED="0.8 1.0" adds one more answer to every prompt per temperature, sampled (seed: the
 #   temperature's place in the list; the labels stay greedy). INIT=1 starts each method from its
 #   shipped weights (with TRAIN_ARGS="--lr 5e-4 --warmup 50"); see README.md for the stages.
@@ -50,6 +52,7 @@ answer() {  # answer NAME TEMPERATURE SEED PROMPT-ARGS...: the target's answers,
     CUDA_VISIBLE_DEVICES=$((s % ngpu)) timeout 900 python3 -m speckernel.tools.cli train-drafter --method eagle3 \
       "$@" --shard "$s/$shards" --data "$work/$name.$s.npz" --out "$work/gen" --generate-only --platform cuda \
       --temperature "$temperature" --seed "$seed" --minutes "${GEN_MINUTES:-0}" ${SHARDS_PER_GPU:+--kv-cache-gb 8} \
+      --follow-ups "${FOLLOW_UPS:-0.3}" \
       > "$work/$name.$s.log" 2>&1 &
   done
   wait

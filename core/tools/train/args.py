@@ -108,6 +108,11 @@ def add_arguments(sub: Any) -> None:
                    help=f"answer length when generating data {sized('max_tokens')}")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample the answers (more varied data; labels stay the target's greedy tokens)")
+    p.add_argument("--follow-ups", type=float, default=0.0, metavar="SHARE",
+                   help="when generating data, this share of the conversations gets a second user turn after the "
+                        "target's whole answer (\"Can you make that shorter?\", \"How would you test that?\": "
+                        "follow_ups.json) and the target answers it too, with its first answer in the context; the "
+                        "held-out split keeps both answers on one side (0: none)")
     p.add_argument("--generate-only", action="store_true",
                    help="write the data and stop (--minutes then bounds the generation alone)")
     p.add_argument("--concurrency", type=int, default=None, help=f"answers generated at once {sized('concurrency')}")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ from ...models.llama import LlamaModel
 from ...plugin import TargetModel, TrainBatch
 from ...progress import Progress
 from ...sampling_params import SamplingParams
+from .follow_ups import second_turn
 
 
 @dataclass
@@ -39,6 +41,13 @@ class Sequences:
     """[S + 1] int64."""
     prompt_lens: np.ndarray
     """[S] int64: the leading tokens of each sequence that the target did not write."""
+    split_lens: np.ndarray | None = None
+    """[S] int64: the leading tokens the held-out split hashes (`split`): the first turn's prompt
+    for a follow-up's second answer (`follow_ups`), so it lands on its first answer's side; None:
+    every prompt whole."""
+
+    def split_len(self, i: int) -> int:
+        return int(self.prompt_lens[i] if self.split_lens is None else self.split_lens[i])
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
@@ -49,19 +58,22 @@ class Sequences:
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as f:  # np.savez would append .npz to a name without it
-            np.savez_compressed(f, tokens=self.tokens, offsets=self.offsets, prompt_lens=self.prompt_lens)
+            extra = {} if self.split_lens is None else {"split_lens": self.split_lens}
+            np.savez_compressed(f, tokens=self.tokens, offsets=self.offsets, prompt_lens=self.prompt_lens, **extra)
 
     @classmethod
     def load(cls, path: Path) -> Sequences:
         with np.load(path) as z:
-            return cls(z["tokens"], z["offsets"], z["prompt_lens"])
+            return cls(z["tokens"], z["offsets"], z["prompt_lens"], z["split_lens"] if "split_lens" in z else None)
 
     @classmethod
     def concat(cls, parts: list[Sequences]) -> Sequences:
         sizes = np.cumsum([0] + [int(p.offsets[-1]) for p in parts])
         offsets = np.concatenate([[0]] + [p.offsets[1:] + base for p, base in zip(parts, sizes, strict=False)])
+        split = None if all(p.split_lens is None for p in parts) else np.concatenate(
+            [p.prompt_lens if p.split_lens is None else p.split_lens for p in parts])
         return cls(np.concatenate([p.tokens for p in parts]), offsets.astype(np.int64),
-                   np.concatenate([p.prompt_lens for p in parts]))
+                   np.concatenate([p.prompt_lens for p in parts]), split)
 
     def fingerprint(self) -> dict[str, int | str]:
         """Sequence count, token count and a digest of the tokens: what a resumed run compares
@@ -76,26 +88,29 @@ class Sequences:
         parts = [self.get(int(i))[0] for i in rows]
         offsets = np.concatenate([[0], np.cumsum([len(s) for s in parts])]).astype(np.int64)
         tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-        return Sequences(tokens.astype(np.int32), offsets, self.prompt_lens[rows])
+        return Sequences(tokens.astype(np.int32), offsets, self.prompt_lens[rows],
+                         None if self.split_lens is None else self.split_lens[rows])
 
     def split(self, fraction: float) -> tuple[Sequences, Sequences]:
         """(kept, held out), about `fraction` held out. A hash of the prompt decides, so every
         answer to one prompt (the greedy one, sampled ones) lands on the same side, whatever the
-        order of the files: a held-out figure measures prompts training never saw."""
+        order of the files: a held-out figure measures prompts training never saw. A follow-up's
+        second answer hashes its first turn's prompt (`split_lens`): it goes where its first went."""
         def share(i: int) -> float:
-            seq, prompt_len = self.get(i)
-            digest = hashlib.blake2b(seq[:prompt_len].astype(np.int32).tobytes(), digest_size=8).digest()
+            seq, _ = self.get(i)
+            digest = hashlib.blake2b(seq[: self.split_len(i)].astype(np.int32).tobytes(), digest_size=8).digest()
             return int.from_bytes(digest, "little") / 2**64
 
         held = np.array([share(i) < fraction for i in range(len(self))], bool)
         return self.select(np.flatnonzero(~held)), self.select(np.flatnonzero(held))
 
     @classmethod
-    def pack(cls, pairs: list[tuple[list[int], list[int]]]) -> Sequences:
+    def pack(cls, pairs: list[tuple[list[int], list[int]]], split_lens: list[int] | None = None) -> Sequences:
         seqs = [p + a for p, a in pairs]
         offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
         tokens = np.fromiter((t for s in seqs for t in s), np.int32, int(offsets[-1]))
-        return cls(tokens, offsets, np.array([len(p) for p, _ in pairs], np.int64))
+        return cls(tokens, offsets, np.array([len(p) for p, _ in pairs], np.int64),
+                   None if split_lens is None else np.array(split_lens, np.int64))
 
 
 class Interrupted(KeyboardInterrupt):
@@ -114,14 +129,26 @@ starting, a long prefill), so its line every LOG_EVERY_S comes even then."""
 
 def generate(config: Any, conversations: list[list[dict[str, str]]], max_tokens: int,
              concurrency: int = 256, temperature: float = 0.0, seed: int = 0,
-             deadline: float = math.inf) -> Sequences:
+             deadline: float = math.inf, follow_ups: list[str | None] | None = None) -> Sequences:
     """The target's answer to every conversation, through the engine (any platform): greedy, or
     sampled at `temperature` (more varied text; the labels stay the target's greedy tokens).
+    follow_ups[i] (`follow_ups.choose`): a user turn after conversation i's whole answer, which
+    the target answers too (a second sequence, split with the first: `Sequences.split_lens`).
     Everything stops at `deadline` (time.monotonic(), the engine's start-up included):
     conversations not started are left out, and answers being written are cut there and kept as
     far as they got (the start of the target's answer is still its answer), so a time-boxed run
     keeps what it made. On Ctrl-C, raises `Interrupted` holding the same."""
     pairs: list[tuple[list[int], list[int]]] = [([], []) for _ in conversations]
+    seconds: list[tuple[list[int], list[int]]] = [([], []) for _ in conversations]
+    follow = follow_ups or [None] * len(conversations)
+
+    def made() -> Sequences:
+        """The answers made: every first answer, then every second one, split with its first."""
+        firsts = [p for p in pairs if p[1]]
+        thens = [(p, len(first[0])) for p, first in zip(seconds, pairs, strict=True) if p[1]]
+        if not thens:
+            return Sequences.pack(firsts)
+        return Sequences.pack(firsts + [p for p, _ in thens], [len(p) for p, _ in firsts] + [n for _, n in thens])
 
     async def run() -> None:
         bar = Progress("train-drafter: generating answers", len(conversations), len(conversations) * max_tokens)
@@ -143,10 +170,28 @@ def generate(config: Any, conversations: list[list[dict[str, str]]], max_tokens:
                         async with limit:
                             prompt = engine.encode_chat(conversations[i])
                             prompt = prompt[: max(1, engine.info.max_model_len - max_tokens - 1)]
+                            answer = None
                             async for out in engine.generate(prompt, params):
                                 pairs[i] = (prompt, out.token_ids)  # kept as far as it got, if cut
                                 bar.tokens(len(out.delta_token_ids))
+                                answer = out
+                            then = follow[i]
+                            if then is not None and answer is not None and answer.finish_reason == "stop":
+                                await second(engine, i, prompt, answer.text, then, params)
                         bar.request_done()
+
+                    async def second(engine: AsyncEngine, i: int, prompt: list[int], answer: str, then: str,
+                                     params: SamplingParams) -> None:
+                        """Conversation i's second turn, when its chat template keeps the first
+                        turn's prompt as it was (the split hashes that prefix)."""
+                        turn = engine.encode_chat(second_turn(conversations[i], answer, then))
+                        if turn[: len(prompt)] != prompt or len(turn) + max_tokens >= engine.info.max_model_len:
+                            return
+                        again = msgspec.structs.replace(params, seed=None if params.seed is None else
+                                                        params.seed + len(conversations))
+                        async for out in engine.generate(turn, again):
+                            seconds[i] = (turn, out.token_ids)
+                            bar.tokens(len(out.delta_token_ids))
 
                     async with anyio.create_task_group() as tg:
                         for i in range(len(conversations)):
@@ -156,8 +201,8 @@ def generate(config: Any, conversations: list[list[dict[str, str]]], max_tokens:
     try:
         anyio.run(run)
     except KeyboardInterrupt:
-        raise Interrupted(Sequences.pack([p for p in pairs if p[1]])) from None
-    return Sequences.pack([p for p in pairs if p[1]])
+        raise Interrupted(made()) from None
+    return made()
 
 
 class DenseCausalAttention:

@@ -73,6 +73,7 @@ from .budget import Budget
 from .corpus import build_corpus, read_corpus
 from .data import Interrupted, Sequences, TargetFeatures, batches, generate, label_counts, step_batches
 from .feed import DeviceBatch, DeviceFeed
+from .follow_ups import choose
 from .heartbeat import Heartbeat
 from .meter import Meter
 from .step import Figures, MethodRun, read_figures, set_rng_state, train_step
@@ -127,6 +128,8 @@ def load_data(args: argparse.Namespace, budget: Budget, beat: Heartbeat) -> Sequ
         raise InvalidInputError(f"--data: {', '.join(str(p) for p in paths if not p.exists())} missing; "
                                 "data is generated into one file")
     path = paths[0]
+    if not 0.0 <= args.follow_ups <= 1.0:
+        raise InvalidInputError(f"--follow-ups: expected a share in [0, 1], got {args.follow_ups}")
     index, _, count = args.shard.partition("/")
     if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
         raise InvalidInputError(f"--shard: expected I/N with 0 <= I < N, got {args.shard!r}")
@@ -147,7 +150,8 @@ def load_data(args: argparse.Namespace, budget: Budget, beat: Heartbeat) -> Sequ
     try:
         with beat.watch(None):  # the generation's own progress line speaks for it
             data = generate(config, conversations, args.max_tokens, concurrency=args.concurrency,
-                            temperature=args.temperature, seed=args.seed, deadline=deadline)
+                            temperature=args.temperature, seed=args.seed, deadline=deadline,
+                            follow_ups=choose(len(conversations), args.follow_ups, args.seed))
     except Interrupted as e:
         keep_data(e.data, path, len(conversations), started, beat, "when interrupted")
         raise
