@@ -58,8 +58,8 @@ class Sequences:
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as f:  # np.savez would append .npz to a name without it
-            extra = {} if self.split_lens is None else {"split_lens": self.split_lens}
-            np.savez_compressed(f, tokens=self.tokens, offsets=self.offsets, prompt_lens=self.prompt_lens, **extra)
+            np.savez_compressed(f, tokens=self.tokens, offsets=self.offsets, prompt_lens=self.prompt_lens,
+                                split_lens=self.prompt_lens if self.split_lens is None else self.split_lens)
 
     @classmethod
     def load(cls, path: Path) -> Sequences:
