@@ -11,7 +11,7 @@ from typing import cast
 import pytest
 import torch
 
-from speckernel.testing import check_transport
+from speckernel.testing import check_transport, sample_frame
 from speckernel.transport import Transport, TransportContext
 from tests.transports.remote import RemoteEnd, remote_pair
 from tests.transports.test_conformance import free_port
@@ -86,10 +86,14 @@ def test_cuda_ipc_steady_state_never_waits_for_the_device() -> None:
 
 def test_cuda_ipc_notices_a_killed_peer_at_once() -> None:
     """A receive fails as soon as the sender's process is gone, not when its timeout ends; what
-    the sender sent before it died still arrives first."""
+    reached the receiver before the sender died still arrives first. (A frame sent after the
+    tensor and received before the kill proves the tensor's note reached this end: a message
+    still in the dead sender's queue is lost with it.)"""
     tx, rx, kill = two_processes("cuda_ipc")(2, 1)
     try:
         tx.send_tensor(0, torch.ones(3))
+        tx.send_frame(sample_frame(1, 2, 1))
+        assert rx.recv_frame(timeout_s=30.0).step_id == 1
         kill()
         assert rx.recv_tensor(0, (3,), torch.float32, timeout_s=30.0).tolist() == [1.0] * 3
         started = time.monotonic()

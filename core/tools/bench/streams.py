@@ -148,8 +148,8 @@ def host_and_device(before: dict[str, Any], after: dict[str, Any], steps: int, e
     beside the step period and the device's time per step (None where the engine does not measure
     it: the CPU, pipeline stages)."""
     rows = after.get("num_rows_launched", 0) - before.get("num_rows_launched", 0)
-    host = {phase: after["host_s"][phase] - before["host_s"].get(phase, 0.0)
-            for phase in after.get("host_s", {})}
+    host = {phase: spent for phase in after.get("host_s", {})  # the phases this run spent time in
+            if (spent := after["host_s"][phase] - before["host_s"].get(phase, 0.0)) > 0}
     device = (after["device_s"] - before["device_s"]
               if after.get("device_s") is not None and before.get("device_s") is not None else None)
     return {"step_period_ms": 1e3 * elapsed_s / steps if steps else None,
