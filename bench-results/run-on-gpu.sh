@@ -64,7 +64,7 @@ bench remote remote --platform cuda --dtype bfloat16 --method eagle3 --num-specu
   --num-prompts 4
 bench pp pp --platform cuda --dtype bfloat16 --max-tokens 128 --num-prompts 64 --speculator mtp --pipeline-sizes 1,2 \
   --dp-ranks process
-bench grammar grammar --platform cuda --dtype bfloat16
+bench grammar grammar --platform cuda --dtype bfloat16 --late-masks on,off
 for dtype in $dtypes; do
   bench "accept_$dtype" accept --platform cuda --dtype "$dtype" --max-tokens 256
 done
