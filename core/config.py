@@ -107,13 +107,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Structured output: steps with a grammar (prompt, decode and verification steps) replay
     device graphs of their own, captured at start beside the free ones (twice the graphs: start
     time and graph memory); off (`--no-grammar-graphs`), such steps run eagerly."""
-    late_masks: bool = True
+    late_masks: bool | None = None
     """Structured output without a speculator: a constrained row runs ahead of its frame in flight
     like a free one. Its mask needs that frame's token, so the step's forward is launched first and
     its sampling waits on the device for the mask, which the host computes once the frame before is
     applied (the grammar works while the device runs the forward). A row whose grammar forces its
     next tokens waits for its frame instead, so they go in as drafts. Off (`--no-late-masks`): a
-    constrained row always waits for its frame, and the grammar's work sits between its steps."""
+    constrained row always waits for its frame, and the grammar's work sits between its steps.
+    None: on where the device runs apart from the host; off on the CPU, where the forward and the
+    grammar share the cores and running ahead only forgoes forced drafts (8-20% slower there,
+    `bench-results/cpu-grammar-late`)."""
     sampling_graphs: bool = True
     """Steps where some row has a repetition, frequency or presence penalty or asks for logprobs
     replay device graphs of their own (decode and verification steps, captured a third time:

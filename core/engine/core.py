@@ -137,8 +137,9 @@ class EngineCore:
                                        prompt_steps_per_decode=config.prompt_steps_per_decode,
                                        prompt_batch=self._prompt_batch(),
                                        grammar_drafts=config.forced_drafts(k, caps is not None and caps.sampled_drafts))
-            self.scheduler.late_masks_ok = (config.late_masks and config.async_scheduling and not pipeline
-                                            and config.data_parallel_size == 1)
+            late = config.late_masks if config.late_masks is not None else self.platform.device.type != "cpu"
+            self.scheduler.late_masks_ok = late and config.async_scheduling and not pipeline \
+                and config.data_parallel_size == 1
             self.ledger = Ledger(self.scheduler)
             self.governor = self._governor(caps, k)  # times the graphs: on the device too
             if self.governor is not None:

@@ -67,10 +67,12 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="structured output: do not verify the tokens a grammar forces as drafts (for comparison)")
     p.add_argument("--no-grammar-graphs", action="store_true",
                    help="structured output: run steps with a grammar eagerly instead of capturing graphs for them")
-    p.add_argument("--no-late-masks", action="store_true",
-                   help="structured output: a constrained row waits for its frame in flight before its next step "
-                        "(default: it runs ahead, and its step's sampling waits on the device for the mask the host "
-                        "computes while the forward runs)")
+    p.add_argument("--late-masks", action="store_const", const=True, default=None,
+                   help="structured output: a constrained row runs ahead of its frame in flight, its step's sampling "
+                        "waiting on the device for the mask the host computes while the forward runs (default: on "
+                        "where the device runs apart from the host, off on the CPU)")
+    p.add_argument("--no-late-masks", dest="late_masks", action="store_const", const=False,
+                   help="structured output: a constrained row waits for its frame in flight before its next step")
     p.add_argument("--no-sampling-graphs", action="store_true",
                    help="run steps with penalties or logprobs eagerly instead of capturing graphs for them")
     p.add_argument("--speculator-option", action="append", default=[], metavar="KEY=VALUE",
@@ -219,7 +221,7 @@ def config_from(args: argparse.Namespace) -> EngineConfig:
                         num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
                         skip_drafts=not args.no_skip_drafts, grammar_drafts=not args.no_grammar_drafts,
                         grammar_graphs=not args.no_grammar_graphs, sampling_graphs=not args.no_sampling_graphs,
-                        late_masks=not args.no_late_masks,
+                        late_masks=args.late_masks,
                         enforce_eager=args.enforce_eager,
                         prompts_apart=not args.no_prompts_apart,
                         prompt_steps_per_decode=args.prompt_steps_per_decode,
