@@ -12,7 +12,9 @@ target computes:
 - sampling: `target_noise`, the noise the target samples a position with, so a drafter can
   draw the token the target will draw;
 - `fused_ops`: the kernel's fused Triton ops (rms_norm with residual add, q/k rope, silu_mul),
-  for a platform where `SpeculatorContext.fused_kernels` says they run;
+  and `small_batch`, its kernels for steps of a few tokens (norm + QKV + rope, projection +
+  residual, norm + gate_up + SwiGLU), for a platform where `SpeculatorContext.fused_kernels`
+  says they run;
 - a drafter served elsewhere: `drafter_wire` (the messages of `speckernel serve-drafter`'s RPC)
   and the zero-copy codec (`Encoder`, `Decoder`) they travel with;
 - `logger(name)`: the engine's structured key-value log, for a plugin's own events;
@@ -35,7 +37,7 @@ from .models.checkpoint import resolve as resolve_model
 from .models.llama import LlamaModel, RMSNorm
 from .models.loader import load_model
 from .models.paged import new_kv_cache
-from .ops import fused_ops
+from .ops import fused_ops, small_batch
 from .ops.rope import apply_rope, cos_sin_table
 from .runner.host_copy import to_device
 from .runner.sampler import target_noise
@@ -58,6 +60,7 @@ __all__ = [
     "read_config",
     "resolve_model",
     "sha256_of",
+    "small_batch",
     "target_noise",
     "to_device",
     "verified",

@@ -32,7 +32,17 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from speckernel.kit import RMSNorm, apply_rope, cache_stamp, cos_sin_table, fused_ops, logger, sha256_of, verified
+from speckernel.kit import (
+    RMSNorm,
+    apply_rope,
+    cache_stamp,
+    cos_sin_table,
+    fused_ops,
+    logger,
+    sha256_of,
+    small_batch,
+    verified,
+)
 from speckernel.plugin import (
     InvalidInputError,
     ModelConfig,
@@ -367,6 +377,8 @@ class DecoderBlock(nn.Module):
                 attn_input: torch.Tensor | None = None) -> torch.Tensor:
         """x: the residual stream [..., H]; attn_input: the (already normalised) attention input
         when it is not input_layernorm(x)."""
+        if attn_input is None and self._small(x):
+            return self._forward_small(x, cos, sin, attend)
         a = self.input_layernorm(x) if attn_input is None else attn_input
         attended = self.self_attn(a, cos, sin, attend)
         if fused(self):  # the residual add inside the norm's kernel
@@ -376,6 +388,33 @@ class DecoderBlock(nn.Module):
             return (x + self.mlp(normed)).view(attended.shape)
         x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _small(self, x: torch.Tensor) -> bool:
+        """A drafting step of a few tokens, served with fused weights: the target's small-batch
+        kernels run the block in four launches besides attention (a drafting step at batch 1 is
+        bound by launches, not by its work)."""
+        return (fused(self) and self.self_attn.qkv_weight is not None and self.mlp.gate_up_weight is not None
+                and small_batch.runs_on(x.reshape(-1, x.shape[-1])))
+
+    def _forward_small(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The block on `small_batch`: norm + QKV + rope, attention, o + residual, norm + gate_up +
+        SwiGLU, down + residual. cos/sin hold one row per token, the rotary table the kernel indexes
+        by each token's row."""
+        attn, lead, h = self.self_attn, x.shape[:-1], x.shape[-1]
+        assert attn.qkv_weight is not None and self.mlp.gate_up_weight is not None
+        flat = x.reshape(-1, h)
+        t = flat.shape[0]
+        rows = torch.arange(t, device=x.device)
+        norm = self.input_layernorm
+        q, k, v = small_batch.norm_qkv_rope(flat, norm.weight, norm.eps, attn.qkv_weight, None, rows,
+                                            cos.reshape(t, attn.hd).float().contiguous(),
+                                            sin.reshape(t, attn.hd).float().contiguous(), (attn.nh, attn.nkv, attn.hd))
+        out = attend(q.view(*lead, attn.nh, attn.hd), k.view(*lead, attn.nkv, attn.hd),
+                     v.view(*lead, attn.nkv, attn.hd))
+        flat = small_batch.linear_residual(out.reshape(t, attn.nh * attn.hd), attn.o_proj.weight, flat)
+        post = self.post_attention_layernorm
+        gated = small_batch.norm_gate_up(flat, post.weight, post.eps, self.mlp.gate_up_weight)
+        return small_batch.linear_residual(gated, self.mlp.down_proj.weight, flat).view(x.shape)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
