@@ -14,7 +14,8 @@
 #      training over every call, the learning rate's schedule; the minutes only bound one call.
 # PHASE=accept: the trained checkpoints ($WORK/METHOD, or the shipped ones with SHIPPED=1):
 #   `bench accept` on all 164 HumanEval prompts (DATASET=chat: the 64 held-out chat requests),
-#   256 tokens, temperature 0, every method with its K next to no speculation.
+#   256 tokens, at temperatures $TEMPERATURES (default 0,1: a table each), every method with its K
+#   next to no speculation.
 # PHASE=decode: the same checkpoints; `bench decode` at batch 1 with the HF transformers peers.
 # PHASE=chat: the general-chat corpus (speckernel.tools.train.chat): the committed requests
 #   (chat-prompts.jsonl.gz beside this script), or with $CHAT_COUNT that many written anew, about a quarter from the project's task frames and the rest written by the target itself
@@ -130,8 +131,8 @@ if [ "$phase" = accept ]; then
   # in flight at once (acceptance does not depend on the batch), drafting at every step.
   dataset=${DATASET:-humaneval}
   timeout "${BENCH_TIMEOUT:-400}" python3 -m speckernel.tools.cli bench accept --platform cuda --dtype bfloat16 \
-    --max-tokens 256 --no-adaptive-speculation --dataset "$dataset" "${drafters[@]}" "${specs[@]}" \
-    --out "$out/accept-$dataset" 2>&1 | tail -n 14
+    --max-tokens 256 --no-adaptive-speculation --dataset "$dataset" --temperature "${TEMPERATURES:-0,1}" \
+    "${drafters[@]}" "${specs[@]}" --out "$out/accept-$dataset" 2>&1 | tail -n 30
 else
   # Tokens/s at batch 1 on 10 HumanEval prompts, every method next to no speculation and the HF peers.
   timeout "${BENCH_TIMEOUT:-520}" python3 -m speckernel.tools.cli bench decode --platform cuda --dtype bfloat16 \
