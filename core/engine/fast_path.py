@@ -65,7 +65,7 @@ def warm_kernels(runner: StepDevice, kv_layer: torch.Tensor, platform: Platform,
     started = time.monotonic()
     launches = runner.attention.warm_up(kv_layer, num_heads)
     # An eager step verifies as many drafts as its rows hold (a grammar's forced ones included).
-    steps = warm_eager(runner, range(max(k, *runner.mask_widths) + 1), max_tokens)
+    steps = warm_eager(runner, range(max((k, *runner.mask_widths)) + 1), max_tokens)
     platform.synchronize()
     JIT_WATCH.seal()
     log.info("kernels_warm", attention_variants=launches, eager_steps=steps, kernel_builds=JIT_WATCH.num_compiles,

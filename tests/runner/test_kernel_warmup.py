@@ -73,3 +73,21 @@ def test_serving_launches_only_variants_built_at_start(spec: dict[str, Any], mon
                 assert delta.error is None, delta.error
     served = seen - built
     assert not served, f"variants first built while serving: {sorted(served)}"
+
+
+@pytest.mark.parametrize(("mask_widths", "widths"), [((), 4), ((0,), 4), ((0, 6), 7)])
+def test_eager_warm_up_covers_every_verify_width_on_any_stage(monkeypatch: pytest.MonkeyPatch,
+                                                              mask_widths: tuple[int, ...], widths: int) -> None:
+    """A pipeline stage before the last samples nothing, so it has no mask widths: its warm-up
+    still covers K + 1 verify widths (a stage once failed to start on a GPU there)."""
+    from types import SimpleNamespace
+
+    from speckernel.engine import fast_path
+
+    seen: list[list[int]] = []
+    monkeypatch.setattr(fast_path, "warm_eager", lambda runner, verify, max_tokens: seen.append(list(verify)) or 0)
+    monkeypatch.setattr(fast_path.JIT_WATCH, "seal", lambda: None)  # the process's watch stays as it was
+    runner = SimpleNamespace(attention=SimpleNamespace(warm_up=lambda kv, heads: 0), mask_widths=mask_widths)
+    platform = SimpleNamespace(capabilities=SimpleNamespace(triton=True), synchronize=lambda: None)
+    fast_path.warm_kernels(runner, torch.zeros(1), platform, 4, 3, 64)  # type: ignore[arg-type]
+    assert seen == [list(range(widths))]
