@@ -130,7 +130,7 @@ if [ "$phase" = accept ]; then
   # Acceptance on all 164 HumanEval prompts, or the 64 held-out chat requests with DATASET=chat, all
   # in flight at once (acceptance does not depend on the batch), drafting at every step.
   dataset=${DATASET:-humaneval}
-  timeout "${BENCH_TIMEOUT:-400}" python3 -m speckernel.tools.cli bench accept --platform cuda --dtype bfloat16 \
+  timeout "${BENCH_TIMEOUT:-560}" python3 -m speckernel.tools.cli bench accept --platform cuda --dtype bfloat16 \
     --max-tokens 256 --no-adaptive-speculation --dataset "$dataset" --temperature "${TEMPERATURES:-0,1}" \
     "${drafters[@]}" "${specs[@]}" --out "$out/accept-$dataset" 2>&1 | tail -n 30
 else
