@@ -168,7 +168,7 @@ class EngineCore:
         self.running = True
         self.num_steps = 0
         self.gaps = DeviceGaps()
-        self.late_pending: dict[int, InFlight] = {}
+        self.late_pending: dict[int, tuple[InFlight, LateMasks]] = {}
         """Frames in flight whose late masks are not delivered yet, by step id."""
         self.num_late_mask_steps = 0
         self.late_mask_wait_s = 0.0
@@ -537,9 +537,8 @@ class EngineCore:
                 if deltas:
                     await emit(CoreOutputs(deltas))
         finally:
-            for pending in self.late_pending.values():
-                assert pending.late is not None
-                pending.late.release()
+            for _, late in self.late_pending.values():
+                late.release()
             self.late_pending.clear()
             runner.shutdown(wait=True, cancel_futures=True)
             self.grammars.close()
@@ -621,7 +620,7 @@ class EngineCore:
             late = self.runner.late_masks[frame.step_id] = LateMasks(self.platform.host_gate())
         submitted = InFlight(frame, time.perf_counter(), runner.submit(self._launch, frame), late)
         if late is not None:
-            self.late_pending[frame.step_id] = submitted
+            self.late_pending[frame.step_id] = (submitted, late)
         return submitted
 
     def _deliver_late_masks(self, applied: int, late: LateMasks | None) -> None:
@@ -631,12 +630,11 @@ class EngineCore:
         if late is not None:
             self.num_late_mask_steps += 1
             self.late_mask_wait_s += late.held_s
-        for step_id, pending in list(self.late_pending.items()):
+        for step_id, (pending, waiting) in list(self.late_pending.items()):
             if all(r.prev_step_id <= applied for r in pending.frame.rows if r.mask_later):
-                assert pending.late is not None
                 with self.host.timed("masks"):
                     masks = self.scheduler.late_masks(pending.frame)
-                pending.late.deliver(masks, pending.launched.done)
+                waiting.deliver(masks, pending.launched.done)
                 del self.late_pending[step_id]
 
     def _launch(self, frame: StepFrame) -> PendingResult:

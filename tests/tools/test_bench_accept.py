@@ -1,5 +1,5 @@
 """`bench accept --temperature 0,1`: every run, none included, at each temperature, the sampled
-ones seeded per request; outputs compared with none's at temperature 0 only; bad temperatures
+ones seeded per request; outputs compared with none's at every temperature; bad temperatures
 refused when the command is parsed."""
 
 from __future__ import annotations

@@ -119,6 +119,7 @@ async def run_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sam
         "steps_per_s": steps / elapsed,
         "num_graph_steps": after.get("num_graph_steps", 0) - before.get("num_graph_steps", 0),
         **device_gaps(before, after, elapsed),
+        **late_masks(before, after),
         **host_and_device(before, after, steps, elapsed),
         # Since the engine was ready, warm-up requests included: Triton builds while serving.
         "kernel_builds_after_start": after.get("num_kernel_builds_after_warmup", 0),
@@ -132,15 +133,19 @@ async def run_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sam
 
 def device_gaps(before: dict[str, Any], after: dict[str, Any], elapsed_s: float) -> dict[str, Any]:
     """The device's waits for the host between two steps with nothing else in flight
-    (`engine.device_gaps`): how many, the mean one, and their share of the run; and the steps
-    whose masks came after launch, with the mean time their sampling waited for them."""
+    (`engine.device_gaps`): how many, the mean one, and their share of the run."""
     count = after.get("num_device_gaps", 0) - before.get("num_device_gaps", 0)
     total = after.get("device_gap_s", 0.0) - before.get("device_gap_s", 0.0)
+    return {"num_device_gaps": count, "device_gap_ms": 1e3 * total / count if count else None,
+            "device_gap_share": total / elapsed_s if elapsed_s > 0 else None}
+
+
+def late_masks(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The steps whose masks came after launch (`runner.late_masks`), with the mean time their
+    sampling waited for them."""
     late = after.get("num_late_mask_steps", 0) - before.get("num_late_mask_steps", 0)
     held = after.get("late_mask_wait_s", 0.0) - before.get("late_mask_wait_s", 0.0)
-    return {"num_device_gaps": count, "device_gap_ms": 1e3 * total / count if count else None,
-            "device_gap_share": total / elapsed_s if elapsed_s > 0 else None,
-            "num_late_mask_steps": late, "late_mask_wait_ms": 1e3 * held / late if late else None}
+    return {"num_late_mask_steps": late, "late_mask_wait_ms": 1e3 * held / late if late else None}
 
 
 def host_and_device(before: dict[str, Any], after: dict[str, Any], steps: int, elapsed_s: float) -> dict[str, Any]:

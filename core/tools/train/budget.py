@@ -56,11 +56,3 @@ class Budget:
     def fits(self, seconds: float) -> bool:
         """Whether work expected to take `seconds`, started now, ends before training must stop."""
         return self.clock() + seconds <= self.training_end
-
-    def done(self, since: float) -> float:
-        """The share of the training time from `since` to training_end already gone (0 without
-        a deadline). Not the learning-rate schedule's: that follows the step alone, so a run cut
-        by its deadline and resumed goes on as one that never stopped (`drafter.lr_at`)."""
-        if not self.limited:
-            return 0.0
-        return min(1.0, max(0.0, (self.clock() - since) / max(self.training_end - since, 1e-9)))
