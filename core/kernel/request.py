@@ -169,10 +169,15 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt plus output, copying only those (a decode row asks for
+        one or none, every step)."""
         prompt = self.prompt_token_ids
-        if end <= len(prompt):
+        p = len(prompt)
+        if end <= p:
             return prompt[start:end]
-        return (prompt + self.output_token_ids)[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return prompt[start:] + self.output_token_ids[: end - p]
 
     def stop_reason(self, token_id: int) -> str | None:
         """Why the request must stop after emitting token_id, or None."""

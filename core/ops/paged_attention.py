@@ -6,6 +6,7 @@ Their contract, and the cache layout they share, is `speckernel.attention`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -128,8 +129,8 @@ class PagedAttention:
         sizes = [t, t, t, r + 1, r, r * e, _words(f * r), r * width, n_tail]  # the tail last: only it varies
         # Every view starts 16-byte aligned: Triton compiles a kernel variant per pointer
         # alignment, and offsets that moved with the token count would compile new ones mid-serving.
-        offsets = np.concatenate([[0], np.cumsum([-(-n // ALIGN) * ALIGN for n in sizes])])
-        total = int(offsets[-1])
+        offsets = [0, *itertools.accumulate(-(-n // ALIGN) * ALIGN for n in sizes)]
+        total = offsets[-1]
         staging = self.staging.take(total, self.capacity)
         host = staging.numpy()
         positions, slots, token_rows, query_start, seq_lens, extra, floats, tables, tail_view = (

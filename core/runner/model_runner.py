@@ -27,6 +27,7 @@ step result says so (`StepResult.speculator_error`), so the engine can count it.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 
 import msgspec
@@ -229,16 +230,20 @@ class ModelRunner:
     def _host_tokens(rows: list[ScheduledRow]) -> np.ndarray:
         """[3 * N] slots, positions and ids of what the host writes into the token buffer: each
         row's host tokens, and the drafts its grammar forced (after its placeholder inputs)."""
-        spans = [(r.slot, r.start_pos, r.token_ids) for r in rows]
+        spans = [(r.slot, r.start_pos, r.token_ids) for r in rows if r.token_ids]  # a run-ahead row has none
         spans += [(r.slot, r.start_pos + len(r.token_ids) + r.num_placeholder_inputs, r.draft_token_ids[: r.num_forced])
                   for r in rows if r.num_forced]
-        lens = np.fromiter((len(ids) for _, _, ids in spans), np.int64, len(spans))
+        if not spans:
+            return np.empty(0, np.int64)
+        slots, starts, ids = zip(*spans, strict=True)
+        lens = np.fromiter(map(len, ids), np.int64, len(spans))
         total = int(lens.sum())
         tail = np.empty(3 * total, np.int64)
-        if total:
-            tail[:total] = np.repeat(np.fromiter((slot for slot, _, _ in spans), np.int64, len(spans)), lens)
-            tail[total : 2 * total] = np.concatenate([np.arange(start, start + len(ids)) for _, start, ids in spans])
-            tail[2 * total :] = np.fromiter((t for _, _, ids in spans for t in ids), np.int64, total)
+        tail[:total] = np.repeat(np.array(slots, np.int64), lens)
+        # Each span's positions count up from its start: the flat index minus where its span begins.
+        shift = np.array(starts, np.int64) - (np.cumsum(lens) - lens)
+        tail[total : 2 * total] = np.repeat(shift, lens) + np.arange(total)
+        tail[2 * total :] = np.fromiter(itertools.chain.from_iterable(ids), np.int64, total)
         return tail
 
     def write_host_tokens(self, meta: AttentionMetadata) -> None:

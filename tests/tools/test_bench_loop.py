@@ -13,11 +13,13 @@ from speckernel.tools.cli import main
 
 
 def test_every_row_decodes_in_every_timed_step() -> None:
-    """The measured steps are the ones the figure is about: all requests in flight, one frame each."""
+    """The measured steps are the ones the figure is about: all requests in flight, one frame
+    scheduled a step (measure asserts it), with one frame in flight or two."""
     for k in (0, 3):
-        r = measure(rows=8, k=k, steps=5)
-        assert r["rows"] == 8 and r["steps"] == 5
-        assert r["step_us"] == pytest.approx(r["us_per_row"] * 8)
+        for ahead in (False, True):
+            r = measure(rows=8, k=k, steps=5, run_ahead=ahead)
+            assert r["rows"] == 8 and r["steps"] == 5 and r["run_ahead"] is ahead
+            assert r["step_us"] == pytest.approx(r["us_per_row"] * 8)
 
 
 def test_bench_loop_writes_its_report(tmp_path: Path) -> None:
@@ -25,5 +27,8 @@ def test_bench_loop_writes_its_report(tmp_path: Path) -> None:
     code = main(["bench", "loop", "--rows", "1,64", "--loop-k", "0,3", "--steps", "50", "--out", str(tmp_path)])
     assert code in (0, None)
     report = json.loads((tmp_path / "loop.json").read_text())
-    assert [(r["num_speculative_tokens"], r["rows"]) for r in report["runs"]] == [(0, 1), (0, 64), (3, 1), (3, 64)]
-    assert "| 3 | 64 |" in (tmp_path / "loop.md").read_text()
+    grid = [(0, 1), (0, 64), (3, 1), (3, 64)]
+    assert [(r["run_ahead"], r["num_speculative_tokens"], r["rows"]) for r in report["runs"]] == \
+        [(False, *g) for g in grid] + [(True, *g) for g in grid]
+    table = (tmp_path / "loop.md").read_text()
+    assert "| 1 | 3 | 64 |" in table and "| 2 (run ahead) | 3 | 64 |" in table
