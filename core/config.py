@@ -117,6 +117,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     None: on where the device runs apart from the host; off on the CPU, where the forward and the
     grammar share the cores and running ahead only forgoes forced drafts (8-20% slower there,
     `bench-results/cpu-grammar-late`)."""
+    launch_on_loop: bool = True
+    """Where a launch returns before the device runs the step (graphs and kernels queued on a
+    stream, gates the stream waits on) and frames run ahead, the engine core launches each frame
+    on its serving loop's thread, right after scheduling it. A runner thread there contends for
+    the GIL with the loop's scheduling, applying and streaming, and each moment its launch waits
+    for the GIL the device may stand idle. Off (`--no-launch-on-loop`), and wherever a launch
+    can wait for the device (the CPU, a gate that blocks the host, pipeline stages), a runner
+    thread launches."""
     sampling_graphs: bool = True
     """Steps where some row has a repetition, frequency or presence penalty or asks for logprobs
     replay device graphs of their own (decode and verification steps, captured a third time:

@@ -67,6 +67,9 @@ class HostGate(Protocol):
     """
 
     timed_out: bool
+    blocks_host: bool
+    """wait() blocks the issuing thread (the stream cannot wait for the host): whoever issues
+    gated work must not be the thread that opens the gate."""
     opened_at: float
     """perf_counter() when open() was first called (0: not yet)."""
     blocked_at: float

@@ -40,6 +40,8 @@ class StreamGate(HostWaitGate):
     stream waits and the host goes on. CUDA runs a process's host functions on one thread, so a
     shut gate also delays other host functions, never other streams' kernels."""
 
+    blocks_host = False
+
     def __init__(self, timeout_s: float, launcher: _HostFuncs, device: torch.device) -> None:
         super().__init__(timeout_s)
         self._launcher, self._device = launcher, device

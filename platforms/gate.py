@@ -13,6 +13,8 @@ class HostWaitGate:
     issues the gated work, until `open()` or the timeout. Stream-side gates reuse `block()` as
     the body of the host function the stream waits on."""
 
+    blocks_host = True
+
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.timed_out = False

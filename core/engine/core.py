@@ -170,6 +170,8 @@ class EngineCore:
         self.gaps = DeviceGaps()
         self.late_pending: dict[int, tuple[InFlight, LateMasks]] = {}
         """Frames in flight whose late masks are not delivered yet, by step id."""
+        self.launch_on_loop = False
+        """The serving loop launches frames on its own thread (`_launches_on_loop`)."""
         self.num_late_mask_steps = 0
         self.late_mask_wait_s = 0.0
         """How long the late masks held their steps' sampling (the device waited on the host)."""
@@ -514,6 +516,7 @@ class EngineCore:
                 self.close()
             return
         depth = self.pipeline_depth()
+        self.launch_on_loop = self._launches_on_loop(depth)
         in_flight: deque[InFlight] = deque()
         runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speckernel-runner")
         try:
@@ -618,10 +621,22 @@ class EngineCore:
         if any(r.mask_later for r in frame.rows):
             assert isinstance(self.runner, ModelRunner), "late masks need the runner in this process"
             late = self.runner.late_masks[frame.step_id] = LateMasks(self.platform.host_gate())
-        submitted = InFlight(frame, time.perf_counter(), runner.submit(self._launch, frame), late)
+        submitted = InFlight(frame, time.perf_counter(), self._start(frame, runner), late)
         if late is not None:
             self.late_pending[frame.step_id] = (submitted, late)
         return submitted
+
+    def _start(self, frame: StepFrame, runner: ThreadPoolExecutor) -> Future[PendingResult]:
+        """The frame's launch: here, on the loop's thread, where `launch_on_loop` holds; on the
+        runner thread otherwise. Either way a failed launch is the future's exception."""
+        if not self.launch_on_loop:
+            return runner.submit(self._launch, frame)
+        launched: Future[PendingResult] = Future()
+        try:
+            launched.set_result(self._launch(frame))
+        except Exception as e:
+            launched.set_exception(e)
+        return launched
 
     def _deliver_late_masks(self, applied: int, late: LateMasks | None) -> None:
         """Step `applied` was applied (late: its own late masks, now passed): the late masks of
@@ -644,6 +659,13 @@ class EngineCore:
         self.host.num_rows += len(frame.rows)
         self.gaps.launched()
         return pending
+
+    def _launches_on_loop(self, depth: int) -> bool:
+        """`EngineConfig.launch_on_loop` where it applies: frames run ahead (depth 2) on a runner
+        in this process whose launches never wait for the device (the CPU runs the step as it
+        launches it, and a gate that blocks the issuing thread waits for a host this loop is)."""
+        return (self.config.launch_on_loop and depth == 2 and isinstance(self.runner, ModelRunner)
+                and self.platform.device.type != "cpu" and not self.platform.host_gate().blocks_host)
 
     def pipeline_depth(self) -> int:
         """Frames in flight at once: 2 with async scheduling, where requests can run ahead. A

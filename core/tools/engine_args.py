@@ -73,6 +73,8 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                         "where the device runs apart from the host, off on the CPU)")
     p.add_argument("--no-late-masks", dest="late_masks", action="store_const", const=False,
                    help="structured output: a constrained row waits for its frame in flight before its next step")
+    p.add_argument("--no-launch-on-loop", action="store_true",
+                   help="launch steps on a runner thread even where launches never wait for the device")
     p.add_argument("--no-sampling-graphs", action="store_true",
                    help="run steps with penalties or logprobs eagerly instead of capturing graphs for them")
     p.add_argument("--speculator-option", action="append", default=[], metavar="KEY=VALUE",
@@ -221,7 +223,7 @@ def config_from(args: argparse.Namespace) -> EngineConfig:
                         num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
                         skip_drafts=not args.no_skip_drafts, grammar_drafts=not args.no_grammar_drafts,
                         grammar_graphs=not args.no_grammar_graphs, sampling_graphs=not args.no_sampling_graphs,
-                        late_masks=args.late_masks,
+                        late_masks=args.late_masks, launch_on_loop=not args.no_launch_on_loop,
                         enforce_eager=args.enforce_eager,
                         prompts_apart=not args.no_prompts_apart,
                         prompt_steps_per_decode=args.prompt_steps_per_decode,

@@ -58,6 +58,8 @@ def engine_flags(p: argparse.ArgumentParser, *, model: str | None = "smollm2-135
                    help="no several-prompt steps: a burst of prompts takes one step each")
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant kernels (speculative greedy output equals plain greedy output)")
+    p.add_argument("--no-launch-on-loop", action="store_true",
+                   help="launch steps on a runner thread even where launches never wait for the device")
     p.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="requests decoded at once")
     p.add_argument("--max-model-len", type=int, default=max_model_len,
                    help="context length, 0 for the model's own" if max_model_len else

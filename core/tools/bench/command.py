@@ -64,6 +64,7 @@ def base_config(args: argparse.Namespace) -> EngineConfig:
                         prompt_steps_per_decode=getattr(args, "prompt_steps_per_decode", 4),
                         prompt_batches=not getattr(args, "no_prompt_batches", False),
                         batch_invariant=getattr(args, "batch_invariant", False),
+                        launch_on_loop=not getattr(args, "no_launch_on_loop", False),
                         in_process=not getattr(args, "process", False))
 
 
