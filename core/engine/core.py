@@ -77,7 +77,7 @@ mode): the engines then ran every step eagerly."""
 
 
 class InFlight(NamedTuple):
-    """A frame handed to the runner thread, with when it was scheduled (the governor times it)."""
+    """A frame handed to its launch, with when it was scheduled (the governor times it)."""
 
     frame: StepFrame
     started: float
@@ -501,7 +501,8 @@ class EngineCore:
         """Steps until a Shutdown message arrives; `emit` sends a message to the frontend.
 
         Each turn answers the inbox, schedules frames (up to `pipeline_depth` in flight, launched
-        in order by one runner thread), then waits for the oldest frame and applies its result.
+        in order by one thread: this loop's where `launch_on_loop` holds, a runner thread's
+        otherwise), then waits for the oldest frame and applies its result.
         At depth 2 frame N+1 is scheduled and launched while frame N runs; results are applied
         in step order all the same. With nothing to run, the loop sleeps until a message comes."""
         with frozen_while_serving():
@@ -613,7 +614,7 @@ class EngineCore:
             return self.scheduler.schedule()
 
     def _submit(self, frame: StepFrame, runner: ThreadPoolExecutor) -> InFlight:
-        """The frame to the ledger and to the runner thread. A frame with rows run ahead under a
+        """The frame to the ledger and to its launch (`_start`). A frame with rows run ahead under a
         grammar gets late masks: its launch stages them behind a gate that `_deliver_late_masks`
         opens."""
         self.ledger.submit(frame)
@@ -653,7 +654,7 @@ class EngineCore:
                 del self.late_pending[step_id]
 
     def _launch(self, frame: StepFrame) -> PendingResult:
-        """The runner thread's launch of a frame, timed (its host time, and the device's gaps)."""
+        """A frame's launch, timed (its host time, and the device's gaps)."""
         with self.host.timed("launch"):
             pending = self.runner.launch(frame)
         self.host.num_rows += len(frame.rows)
@@ -702,5 +703,5 @@ def _plugin_stats(speculator: Speculator | None) -> dict[str, float]:
 
 
 def _finish(launched: Future[PendingResult]) -> StepResult:
-    """Waits for the runner thread to launch the step, then for the device to run it."""
+    """Waits for the step's launch, then for the device to run it."""
     return launched.result().result()

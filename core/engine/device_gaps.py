@@ -23,7 +23,7 @@ class DeviceGaps:
         self._since = time.perf_counter() if still_in_flight == 0 else None
 
     def launched(self) -> None:
-        """A frame's launch returned (the runner thread): the device has work again."""
+        """A frame's launch returned: the device has work again."""
         since, self._since = self._since, None
         if since is not None:
             self.total_s += time.perf_counter() - since
