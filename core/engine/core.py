@@ -502,7 +502,8 @@ class EngineCore:
 
         Each turn answers the inbox, schedules frames (up to `pipeline_depth` in flight, launched
         in order by one thread: this loop's where `launch_on_loop` holds, a runner thread's
-        otherwise), then waits for the oldest frame and applies its result.
+        otherwise), then waits for the oldest frame (on a worker thread, unless its copy has
+        already reached the host) and applies its result.
         At depth 2 frame N+1 is scheduled and launched while frame N runs; results are applied
         in step order all the same. With nothing to run, the loop sleeps until a message comes."""
         with frozen_while_serving():
@@ -534,7 +535,8 @@ class EngineCore:
                     await self._idle()
                     continue
                 oldest = in_flight.popleft()
-                result = await anyio.to_thread.run_sync(_finish, oldest.launched)
+                result = _finish(oldest.launched) if _landed(oldest.launched) \
+                    else await anyio.to_thread.run_sync(_finish, oldest.launched)
                 self.gaps.applied(len(in_flight))
                 deltas = self._apply(result, oldest.frame, oldest.started)
                 self._deliver_late_masks(result.step_id, oldest.late)
@@ -700,6 +702,13 @@ def _plugin_stats(speculator: Speculator | None) -> dict[str, float]:
     """The speculator's own counters (`SpeculatorBase.stats`); none from a plugin without them."""
     stats = getattr(speculator, "stats", None)
     return dict(stats()) if callable(stats) else {}
+
+
+def _landed(launched: Future[PendingResult]) -> bool:
+    """The step was launched and its copy has reached the host, so its result needs no wait: the
+    loop takes it without a thread hop (a full batch, where the host sets the pace, finds its
+    frames landed long before it gets to them)."""
+    return launched.done() and launched.exception() is None and launched.result().ready()
 
 
 def _finish(launched: Future[PendingResult]) -> StepResult:

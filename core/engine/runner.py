@@ -13,6 +13,10 @@ if TYPE_CHECKING:
 class PendingResult(Protocol):
     """A launched step: `result` waits for it (on the device, or for the last stage's frame)."""
 
+    def ready(self) -> bool:
+        """`result` would not wait (asks; never waits)."""
+        ...
+
     def result(self) -> StepResult: ...
 
 

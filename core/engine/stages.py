@@ -50,6 +50,10 @@ class PendingFrame:
     def __init__(self, collect: Callable[[], StepResult]) -> None:
         self.collect = collect
 
+    def ready(self) -> bool:
+        """Unknown until the last stage's frame is read: the loop waits for it on a thread."""
+        return False
+
     def result(self) -> StepResult:
         return self.collect()
 

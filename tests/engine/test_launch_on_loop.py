@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from speckernel.config import EngineConfig
+from speckernel.engine import core as core_module
 from speckernel.engine.core import EngineCore
 from speckernel.runner.model_runner import ModelRunner
 from speckernel.sampling_params import SamplingParams
@@ -114,3 +115,24 @@ def test_the_loop_launches_only_where_no_launch_can_wait() -> None:
     assert not decides("cuda", blocks_host=True, depth=2), "a gate the launching thread waits at, opened by the loop"
     assert not decides("cpu", blocks_host=False, depth=2), "a CPU launch runs the step"
     assert not decides("cuda", blocks_host=False, depth=2, runner=object()), "pipeline stages: launches are sends"
+
+
+def test_a_landed_frame_is_taken_without_a_thread_hop(prompts: list[list[int]],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frame whose copy has reached the host by the time the loop gets to it is applied at once:
+    no worker thread waits for it. Launched on the loop on the CPU, every frame has run by then;
+    on the runner thread, the loop still waits on a thread for frames whose launch has not
+    returned."""
+    hops: list[str] = []
+    to_thread = core_module.anyio.to_thread.run_sync
+
+    async def counted(func, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if func is core_module._finish:
+            hops.append(threading.current_thread().name)
+        return await to_thread(func, *args, **kwargs)
+
+    for on_loop in (True, False):
+        hops.clear()
+        monkeypatch.setattr(core_module.anyio.to_thread, "run_sync", counted)
+        serve(prompts, on_loop, monkeypatch)  # undoes the patch as it ends
+        assert (not hops) if on_loop else bool(hops), (on_loop, len(hops))
