@@ -92,6 +92,9 @@ class EngineCore:
         self.config = config = checked.config
         self.log = log.get("engine_core")
         self.platform = registry.pick_platform(config.platform)
+        self.device_apart = self.platform.device.type != "cpu"
+        """The device runs a step while the host goes on (the CPU runs it as the host launches it):
+        where late masks and launching on the loop pay off by default."""
         self.dtype = parse_dtype(config.dtype) if config.dtype else self.platform.default_dtype()
         self.model_cfg = read_config(checked.path)
         self.kernel_builds_at_ready = 0
@@ -137,7 +140,7 @@ class EngineCore:
                                        prompt_steps_per_decode=config.prompt_steps_per_decode,
                                        prompt_batch=self._prompt_batch(),
                                        grammar_drafts=config.forced_drafts(k, caps is not None and caps.sampled_drafts))
-            late = config.late_masks if config.late_masks is not None else self.platform.device.type != "cpu"
+            late = config.late_masks if config.late_masks is not None else self.device_apart
             self.scheduler.late_masks_ok = late and config.async_scheduling and not pipeline \
                 and config.data_parallel_size == 1
             self.ledger = Ledger(self.scheduler)
@@ -668,7 +671,7 @@ class EngineCore:
         in this process whose launches never wait for the device (the CPU runs the step as it
         launches it, and a gate that blocks the issuing thread waits for a host this loop is)."""
         return (self.config.launch_on_loop and depth == 2 and isinstance(self.runner, ModelRunner)
-                and self.platform.device.type != "cpu" and not self.platform.host_gate().blocks_host)
+                and self.device_apart and not self.platform.host_gate().blocks_host)
 
     def pipeline_depth(self) -> int:
         """Frames in flight at once: 2 with async scheduling, where requests can run ahead. A

@@ -103,8 +103,8 @@ def decides(device: str, blocks_host: bool, depth: int, on: bool = True, runner:
     core = EngineCore.__new__(EngineCore)
     core.config = EngineConfig(launch_on_loop=on)
     core.runner = ModelRunner.__new__(ModelRunner) if runner is None else runner  # type: ignore[assignment]
-    core.platform = SimpleNamespace(device=SimpleNamespace(type=device),  # type: ignore[assignment]
-                                    host_gate=lambda: Gate(blocks_host))
+    core.device_apart = device != "cpu"
+    core.platform = SimpleNamespace(host_gate=lambda: Gate(blocks_host))  # type: ignore[assignment]
     return core._launches_on_loop(depth)
 
 
