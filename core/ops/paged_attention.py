@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -23,6 +24,23 @@ ALIGN = 2
 def _words(n: int) -> int:
     """int64 elements that hold n float32 numbers."""
     return -(-n // 2)
+
+class _Layout(NamedTuple):
+    """A step's sizes placed in the plan buffer (`PagedAttention._layout`)."""
+
+    total: int
+    spans: list[tuple[int, int]]
+    """[start, end) of positions, slots, token rows, query starts, context lengths, extras, floats,
+    block tables and the tail."""
+    views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    """positions, slot_mapping, token_rows, query_start, seq_lens, block_tables on the device."""
+    extra: torch.Tensor | None
+    floats: torch.Tensor | None
+    tail: torch.Tensor | None
+
+
+MAX_LAYOUTS = 512
+"""Layouts a backend keeps (prefill chunks of every length would grow them without bound)."""
 
 SHORT_QUERY = 16
 """Rows with at most this many new tokens (decode, verify) are batched in one padded group."""
@@ -96,6 +114,7 @@ class PagedAttention:
         self.max_blocks = max_blocks
         self.buffer = torch.empty(0, dtype=torch.int64, device=device)
         """The latest step's plan; grows (doubling) for a bigger one."""
+        self._layouts: dict[tuple[int | bool, ...], _Layout] = {}
         self.reserve(max(1, max_tokens), max(1, max_rows), 0, 0)
         self.staging = StagingRing(device, torch.int64, pin_host, self.STAGING_RING)
 
@@ -112,6 +131,7 @@ class PagedAttention:
                 + _words(num_rows * row_floats) + ALIGN * 9)
         if need > self.capacity:
             self.buffer = torch.empty(need, dtype=torch.int64, device=self.device)
+            self._layouts.clear()
 
     def prepare(self, chunks: Sequence[Chunk], *, num_tokens: int = 0, num_rows: int = 0,
                 row_extra: np.ndarray | None = None, row_floats: np.ndarray | None = None,
@@ -126,15 +146,12 @@ class PagedAttention:
         e = 0 if row_extra is None else row_extra.shape[1]
         f = 0 if row_floats is None else row_floats.shape[0]
         n_tail = 0 if tail is None else len(tail)
-        sizes = [t, t, t, r + 1, r, r * e, _words(f * r), r * width, n_tail]  # the tail last: only it varies
-        # Every view starts 16-byte aligned: Triton compiles a kernel variant per pointer
-        # alignment, and offsets that moved with the token count would compile new ones mid-serving.
-        offsets = [0, *itertools.accumulate(-(-n // ALIGN) * ALIGN for n in sizes)]
-        total = offsets[-1]
-        staging = self.staging.take(total, self.capacity)
+        layout = self._layout(t, r, e, f, width, n_tail, row_extra is not None, row_floats is not None,
+                              tail is not None)
+        staging = self.staging.take(layout.total, self.capacity)
         host = staging.numpy()
         positions, slots, token_rows, query_start, seq_lens, extra, floats, tables, tail_view = (
-            host[offsets[i] : offsets[i] + sizes[i]] for i in range(len(sizes)))
+            host[a:b] for a, b in layout.spans)
         query_start[0] = 0
         np.cumsum(lens, out=query_start[1 : real_r + 1])
         query_start[real_r + 1 :] = real_t
@@ -161,21 +178,43 @@ class PagedAttention:
             float_rows[:, : row_floats.shape[1]] = row_floats
         if tail is not None:
             tail_view[:] = tail
-        if total > self.capacity:
-            self.buffer = torch.empty(max(total, 2 * self.capacity), dtype=torch.int64, device=self.device)
-        on_device = self.buffer[:total]
-        on_device.copy_(staging, non_blocking=self.pin_host)
+        self.buffer[: layout.total].copy_(staging, non_blocking=self.pin_host)
         self.staging.copied()
-        views = [on_device[offsets[i] : offsets[i] + sizes[i]] for i in range(len(sizes))]
+        d_positions, d_slots, d_rows, d_starts, d_lens, d_tables = layout.views
         meta = AttentionMetadata(
-            positions=views[0], slot_mapping=views[1], token_rows=views[2], query_start=views[3],
-            seq_lens=views[4], block_tables=views[7].view(r, width),
-            max_query_len=max(int(lens.max(initial=0)), max_query_len),
-            backend=self, row_extra=views[5].view(r, e) if row_extra is not None else None,
-            tail=views[8] if tail is not None else None,
-            row_floats=views[6].view(torch.float32)[: f * r].view(f, r) if row_floats is not None else None)
+            positions=d_positions, slot_mapping=d_slots, token_rows=d_rows, query_start=d_starts, seq_lens=d_lens,
+            block_tables=d_tables, max_query_len=max(int(lens.max(initial=0)), max_query_len), backend=self,
+            row_extra=layout.extra, tail=layout.tail, row_floats=layout.floats)
         self.plan(meta, chunks, starts, lens, table2d)
         return meta
+
+    def _layout(self, t: int, r: int, e: int, f: int, width: int, n_tail: int, *has: bool) -> _Layout:
+        """Where each part of a step of these sizes lies in the buffer, with its device views: the
+        same sizes (every replay of one captured shape) find them made, sparing a dozen tensor
+        views a step."""
+        key = (t, r, e, f, width, n_tail, *has)
+        if (layout := self._layouts.get(key)) is not None:
+            return layout
+        sizes = [t, t, t, r + 1, r, r * e, _words(f * r), r * width, n_tail]  # the tail last: only it varies
+        # Every view starts 16-byte aligned: Triton compiles a kernel variant per pointer
+        # alignment, and offsets that moved with the token count would compile new ones mid-serving.
+        offsets = [0, *itertools.accumulate(-(-n // ALIGN) * ALIGN for n in sizes)]
+        total = offsets[-1]
+        if total > self.capacity:
+            self.buffer = torch.empty(max(total, 2 * self.capacity), dtype=torch.int64, device=self.device)
+            self._layouts.clear()  # their views read the old buffer
+        if len(self._layouts) >= MAX_LAYOUTS:
+            self._layouts.clear()
+        spans = [(offsets[i], offsets[i] + sizes[i]) for i in range(len(sizes))]
+        views = [self.buffer[a:b] for a, b in spans]
+        has_extra, has_floats, has_tail = has
+        layout = _Layout(
+            total, spans, (views[0], views[1], views[2], views[3], views[4], views[7].view(r, width)),
+            views[5].view(r, e) if has_extra else None,
+            views[6].view(torch.float32)[: f * r].view(f, r) if has_floats else None,
+            views[8] if has_tail else None)
+        self._layouts[key] = layout
+        return layout
 
     def plan(self, meta: AttentionMetadata, chunks: Sequence[Chunk], starts: np.ndarray, lens: np.ndarray,
              tables: np.ndarray) -> None:

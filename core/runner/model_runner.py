@@ -218,8 +218,10 @@ class ModelRunner:
         STEP.put(plan, Col.OUT_POS, [r.start_pos + r.num_tokens - r.num_drafts for r in rows], slice(0, n))
         STEP.put(plan, Col.SAMPLES, [r.sampling is not None for r in rows], slice(0, n))
         STEP.put(plan, Col.SHIFTED, [r.shifted for r in rows], slice(0, n))
-        sampled = [i for i, r in enumerate(rows) if r.sampling is not None]
-        STEP.put_sampling(plan, sampled, [s for r in rows if (s := r.sampling) is not None])
+        sampling = [s for r in rows if (s := r.sampling) is not None]
+        # A slice where every row samples (decode): numpy indexes a list of rows far more slowly.
+        sampled = slice(0, n) if len(sampling) == n else [i for i, r in enumerate(rows) if r.sampling is not None]
+        STEP.put_sampling(plan, sampled, sampling)
         tail = self._host_tokens(rows)
         chunks = [(r.start_pos, r.num_tokens, r.block_ids) for r in rows]
         if padded is None:

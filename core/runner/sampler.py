@@ -228,7 +228,7 @@ class SamplingTensors:
         blocking. Rows past len(rows), up to pad_to, are greedy padding: harmless, and they keep
         the shape fixed."""
         plan = ROW_SAMPLING.empty(max(len(rows), pad_to or 0))  # padding: greedy, every filter and penalty off
-        ROW_SAMPLING.put_sampling(plan, list(range(len(rows))), rows)
+        ROW_SAMPLING.put_sampling(plan, slice(0, len(rows)), rows)
         sampled = [s for s in rows if not is_greedy(s.temperature)]
         return cls.from_plan(plan.to(torch.device(device)), ROW_SAMPLING, all_greedy=not sampled,
                              any_filter=any(s.top_k > 0 or s.top_p < 1.0 for s in sampled),

@@ -46,6 +46,8 @@ class Col(Enum):
     ACCEPTED = ("int64", "drafts the row's step accepted")
     SEQ_LEN = ("int64", "the row's confirmed tokens after its step")
 
+    __hash__ = object.__hash__  # members are singletons: identity hashing spares Enum's Python-level hash per lookup
+
     @property
     def dtype(self) -> str:
         return self.value[0]
@@ -97,6 +99,8 @@ class Scheme:
         self.ints = tuple(c for c in columns if c.dtype == "int64")
         self.floats = tuple(c for c in columns if c.dtype == "float32")
         self.index = {c: i for group in (self.ints, self.floats) for i, c in enumerate(group)}
+        self._float = {c: c.dtype == "float32" for c in columns}
+        self._neutral = np.array([[NEUTRAL.get(c, 0.0)] for c in self.floats], np.float32).reshape(-1, 1)
 
     @property
     def int_width(self) -> int:
@@ -108,23 +112,25 @@ class Scheme:
 
     def empty(self, rows: int) -> HostPlan:
         """A plan of rows that sample nothing, every float column off."""
-        plan = HostPlan(np.zeros((rows, len(self.ints)), np.int64), np.zeros((len(self.floats), rows), np.float32))
-        for col, value in NEUTRAL.items():
-            if col in self.index:
-                self.put(plan, col, value)
-        return plan
+        floats = np.empty((len(self.floats), rows), np.float32)
+        floats[:] = self._neutral
+        return HostPlan(np.zeros((rows, len(self.ints)), np.int64), floats)
 
     def column(self, plan: HostPlan, col: Col) -> np.ndarray:
         """A column on the host ([rows], a view in its own dtype)."""
-        return plan.floats[self.index[col]] if col.dtype == "float32" else plan.ints[:, self.index[col]]
+        return plan.floats[self.index[col]] if self._float[col] else plan.ints[:, self.index[col]]
 
     def put(self, plan: HostPlan, col: Col, values: object, rows: slice | list[int] = slice(None)) -> None:
         """Writes a column (or some of its rows) on the host."""
-        self.column(plan, col)[rows] = values
+        i = self.index[col]
+        if self._float[col]:
+            plan.floats[i, rows] = values
+        else:
+            plan.ints[rows, i] = values
 
-    def put_sampling(self, plan: HostPlan, rows: list[int], sampling: Sequence[RowSampling]) -> None:
+    def put_sampling(self, plan: HostPlan, rows: slice | list[int], sampling: Sequence[RowSampling]) -> None:
         """The sampling columns of these rows, from their `RowSampling`."""
-        if rows:
+        if sampling:
             for col, name in SAMPLING.items():
                 self.put(plan, col, [getattr(s, name) for s in sampling], rows)
 
@@ -136,7 +142,7 @@ class Scheme:
 
     def of(self, plan: DevicePlan, col: Col) -> torch.Tensor:
         """A column on the device, in its own dtype ([R] int64 or float32)."""
-        return plan.floats[self.index[col]] if col.dtype == "float32" else plan.ints[:, self.index[col]]
+        return plan.floats[self.index[col]] if self._float[col] else plan.ints[:, self.index[col]]
 
 
 STEP = Scheme(Col.SLOT, Col.NUM_DRAFTS, Col.OUT_POS, Col.SAMPLES, Col.SEED, Col.POSITION, Col.TOP_K,

@@ -55,3 +55,17 @@ def test_the_plan_does_not_move_when_the_host_tokens_do() -> None:
         meta = _prepare(backend, 2, 4, tail=tail, values=values)
         assert (meta.row_extra.data_ptr(), meta.row_floats.data_ptr(), meta.block_tables.data_ptr()) == ptrs
         assert STEP.of(STEP.on_device(meta), Col.TEMPERATURE)[:2].tolist() == [0.5, 1.5]
+
+
+def test_steps_of_one_size_each_read_their_own_numbers() -> None:
+    """Steps of the same sizes share their views of the plan buffer: each still reads its own
+    plan, and a buffer that grows leaves no view on the old one."""
+    backend = TorchPagedAttention(BLOCK, 4, torch.device("cpu"), max_rows=2)
+    for slots in ([3, 4], [7, 9], [1, 2]):
+        meta = _prepare(backend, 2, 2, tail=3, values={Col.SLOT: slots})
+        assert STEP.of(STEP.on_device(meta), Col.SLOT).tolist() == slots
+    big = _prepare(backend, 2, 2, tail=4 * backend.capacity, values={Col.SLOT: [5, 6]})  # grows the buffer
+    assert STEP.of(STEP.on_device(big), Col.SLOT).tolist() == [5, 6]
+    meta = _prepare(backend, 2, 2, tail=3, values={Col.SLOT: [8, 1]})
+    assert meta.row_extra is not None and meta.row_extra.untyped_storage().data_ptr() == backend.buffer.data_ptr()
+    assert STEP.of(STEP.on_device(meta), Col.SLOT).tolist() == [8, 1]
