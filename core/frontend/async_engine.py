@@ -98,9 +98,7 @@ class AsyncEngine:
         # Everything knowable without weights fails here, before a process is spawned; a thread,
         # since a built-in model may be fetched.
         path = (await anyio.to_thread.run_sync(check, self.config)).path
-        kind = InprocClient if self.config.in_process else ProcessClient
-        client: CoreClient = kind(self.config) if self.config.data_parallel_size == 1 \
-            else DataParallelClient(self.config, kind)  # type: ignore[assignment]
+        client = self._make_client()
         # Unwinds in reverse: stop the pump, wait for the task group, then free the sockets.
         self._stack.callback(client.release)
         tg = await self._stack.enter_async_context(anyio.create_task_group())
@@ -121,6 +119,12 @@ class AsyncEngine:
         self._client = client
         tg.start_soon(self._pump, client)
         return self
+
+    def _make_client(self) -> CoreClient:
+        """The client of the engine core: in this process or another, one core or a group of ranks."""
+        kind = InprocClient if self.config.in_process else ProcessClient
+        return kind(self.config) if self.config.data_parallel_size == 1 \
+            else DataParallelClient(self.config, kind)  # type: ignore[return-value]
 
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,15 +95,20 @@ class CoreClient(ABC):
 
 
 class InprocClient(CoreClient):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, core: Callable[[EngineConfig], Any] | None = None) -> None:
+        """core: what builds the engine core (default `EngineCore`; `bench frontend` passes one
+        whose runner is a stand-in)."""
         self.config = config
+        self.make_core = core
         self.core: Any = None
         self.tx, self.rx = anyio.create_memory_object_stream[CoreMessage | None](math.inf)
 
     async def start(self, tg: TaskGroup) -> CoreReady:
-        from ..engine.core import EngineCore  # torch, imported only when the core runs in this process
+        if self.make_core is None:
+            from ..engine.core import EngineCore  # torch, imported only when the core runs in this process
 
-        self.core = await anyio.to_thread.run_sync(EngineCore, self.config)
+            self.make_core = EngineCore
+        self.core = await anyio.to_thread.run_sync(self.make_core, self.config)
 
         async def run() -> None:
             try:

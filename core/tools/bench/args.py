@@ -18,6 +18,8 @@ SCENARIOS = {
     "hostsync": "a fixed-width speculator with and without copying draft IDs to the host",
     "invariant": "the batch-invariant mode against the default: tokens/s and outputs equal to plain greedy",
     "loop": "the kernel's host work a step and a row (schedule + apply, a stand-in runner), on the CPU",
+    "frontend": "the serving path's host work a step beyond the runner (in-process frontend and core loop, a "
+                "stand-in runner), on the CPU",
     "kernels": "each small-batch kernel against the fused path's launches, by shape and rows; --sweep tunes tiles",
     "pp": "pipeline (PP=1,2,4) and data (DP=2) parallelism, with and without a speculator",
     "prefill": "prefill-only requests with and without K=0 steps",
@@ -250,6 +252,16 @@ def loop_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=200, help="decode steps timed per configuration")
 
 
+def frontend_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--concurrency", type=int_list, default=[1, 16, 64, 128],
+                   help="requests in flight, comma-separated (default: 1,16,64,128)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
+    p.add_argument("--num-prompts", type=int, default=8, help="concurrency C runs max(2C, this) requests")
+    p.add_argument("--model", default="smollm2-135m", help="whose tokenizer and chat limits (its weights stay unread)")
+    p.add_argument("--no-launch-on-loop", action="store_true",
+                   help="launch on a runner thread, as where launches wait for the device")
+
+
 def invariant_arguments(p: argparse.ArgumentParser) -> None:
     speculator_flags(p, "repeatable; default: ngram:4, mtp:3, eagle3:3, dflash:7, dspark:4, causal_cascade:4")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per answer at most")
@@ -399,7 +411,8 @@ def startup_arguments(p: argparse.ArgumentParser) -> None:
 
 ARGUMENTS = {"accept": accept_arguments, "decode": decode_arguments, "grammar": grammar_arguments,
              "hostsync": hostsync_arguments, "invariant": invariant_arguments, "kernels": kernels_arguments,
-             "loop": loop_arguments, "prefill": prefill_arguments, "pp": pp_arguments, "remote": remote_arguments,
+             "loop": loop_arguments, "frontend": frontend_arguments, "prefill": prefill_arguments, "pp": pp_arguments,
+             "remote": remote_arguments,
              "scale": scale_arguments, "startup": startup_arguments}
 
 
