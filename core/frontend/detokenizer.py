@@ -108,7 +108,9 @@ class IncrementalDetokenizer:
         """Decodes one more token; its text waits while it ends inside a UTF-8 sequence."""
         self._ids.append(token_id)
         window = self._ids[self._prefix_offset :]
-        prefix = self.tokenizer.decode(window[: self._read_offset - self._prefix_offset])
+        before = self._read_offset - self._prefix_offset
+        # Most tokens print at once, so the window before the new one is the last token alone.
+        prefix = self.tokenizer.decode_alone(window[0]) if before == 1 else self.tokenizer.decode(window[:before])
         full = self.tokenizer.decode(window)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self._text += full[len(prefix) :]

@@ -67,6 +67,8 @@ class Tokenizer:
         self._template: Template | None = None
         self._special: re.Pattern[str] | None = None
         self._as_text: HFTokenizer | None = None
+        self._alone: dict[int, str] = {}
+        """Each token's text decoded on its own, as `decode_alone` found it (at most the vocabulary)."""
 
     @property
     def vocab_size(self) -> int:
@@ -88,6 +90,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_alone(self, token_id: int) -> str:
+        """`decode([token_id])`, remembered: an incremental detokenizer decodes the token before
+        each new one on its own, for every token of every stream."""
+        text = self._alone.get(token_id)
+        if text is None:
+            text = self._alone[token_id] = self.tok.decode([token_id], skip_special_tokens=True)
+        return text
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         check_messages(messages)
