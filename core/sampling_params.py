@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import typing
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -85,10 +85,16 @@ def describe(info: msgspec.inspect.Type) -> str:
     return type(info).__name__
 
 
+@cache
+def _field_types(cls: type) -> dict[str, Any]:
+    """A Struct's resolved field types (resolving them compiles every annotation: once a class)."""
+    return typing.get_type_hints(cls, include_extras=True)
+
+
 def strict_fields(obj: S, error: type[InvalidInputError]) -> S:
     """obj with every field converted by msgspec under strict rules and its `Meta` bounds, or
     `error` naming the field, what it accepts and what it got."""
-    hints = typing.get_type_hints(type(obj), include_extras=True)
+    hints = _field_types(type(obj))
     values: dict[str, Any] = {}
     for name in obj.__struct_fields__:
         value = plain(getattr(obj, name))
