@@ -712,10 +712,10 @@ def _plugin_stats(speculator: Speculator | None) -> dict[str, float]:
 
 
 def _landed(launched: Future[PendingResult]) -> bool:
-    """The step was launched and its copy has reached the host, so its result needs no wait: the
-    loop takes it without a thread hop (a full batch, where the host sets the pace, finds its
-    frames landed long before it gets to them)."""
-    return launched.done() and launched.exception() is None and launched.result().ready()
+    """The step's result needs no wait: its copy has reached the host (a full batch, where the
+    host sets the pace, finds its frames landed long before it gets to them), or its launch failed
+    and the error is there to raise."""
+    return launched.done() and (launched.exception() is not None or launched.result().ready())
 
 
 async def landing(launched: Future[PendingResult], poll_s: float) -> StepResult:

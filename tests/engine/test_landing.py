@@ -90,3 +90,11 @@ async def test_a_landed_frame_needs_no_wait(hops: list[int]) -> None:
     pending = Landing(polls=0)
     assert await landing(launched(pending), poll_s=0.0) is pending.step
     assert not hops
+
+
+async def test_a_failed_launch_raises_at_once(hops: list[int]) -> None:
+    future: Future[Any] = Future()
+    future.set_exception(RuntimeError("launch failed"))
+    with pytest.raises(RuntimeError, match="launch failed"):
+        await landing(future, poll_s=5.0)
+    assert not hops
