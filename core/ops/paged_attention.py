@@ -25,6 +25,7 @@ def _words(n: int) -> int:
     """int64 elements that hold n float32 numbers."""
     return -(-n // 2)
 
+
 class _Layout(NamedTuple):
     """A step's sizes placed in the plan buffer (`PagedAttention._layout`)."""
 
@@ -130,8 +131,7 @@ class PagedAttention:
         need = (3 * num_tokens + (num_rows + 1) + num_rows * (1 + row_fields + width) + tail
                 + _words(num_rows * row_floats) + ALIGN * 9)
         if need > self.capacity:
-            self.buffer = torch.empty(need, dtype=torch.int64, device=self.device)
-            self._layouts.clear()
+            self._grow(need)
 
     def prepare(self, chunks: Sequence[Chunk], *, num_tokens: int = 0, num_rows: int = 0,
                 row_extra: np.ndarray | None = None, row_floats: np.ndarray | None = None,
@@ -201,8 +201,7 @@ class PagedAttention:
         offsets = [0, *itertools.accumulate(-(-n // ALIGN) * ALIGN for n in sizes)]
         total = offsets[-1]
         if total > self.capacity:
-            self.buffer = torch.empty(max(total, 2 * self.capacity), dtype=torch.int64, device=self.device)
-            self._layouts.clear()  # their views read the old buffer
+            self._grow(max(total, 2 * self.capacity))
         if len(self._layouts) >= MAX_LAYOUTS:
             self._layouts.clear()
         spans = [(offsets[i], offsets[i] + sizes[i]) for i in range(len(sizes))]
@@ -215,6 +214,11 @@ class PagedAttention:
             views[8] if has_tail else None)
         self._layouts[key] = layout
         return layout
+
+    def _grow(self, size: int) -> None:
+        """A bigger plan buffer; the layouts kept go with the old one (their views read it)."""
+        self.buffer = torch.empty(size, dtype=torch.int64, device=self.device)
+        self._layouts.clear()
 
     def plan(self, meta: AttentionMetadata, chunks: Sequence[Chunk], starts: np.ndarray, lens: np.ndarray,
              tables: np.ndarray) -> None:

@@ -100,7 +100,7 @@ class Scheme:
         self.floats = tuple(c for c in columns if c.dtype == "float32")
         self.index = {c: i for group in (self.ints, self.floats) for i, c in enumerate(group)}
         self._float = {c: c.dtype == "float32" for c in columns}
-        self._neutral = np.array([[NEUTRAL.get(c, 0.0)] for c in self.floats], np.float32).reshape(-1, 1)
+        self._neutral = np.array([NEUTRAL.get(c, 0.0) for c in self.floats], np.float32)[:, None]
 
     @property
     def int_width(self) -> int:

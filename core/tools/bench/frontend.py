@@ -105,12 +105,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             steps = result["num_steps"]
             core_us = {p: result["host_us_per_step"].get(p, 0.0) for p in PHASES}
             period_us = 1e6 * result["elapsed_s"] / steps
+            frontend_us = period_us - sum(core_us.values())
             rows = result["generated_tokens"] / steps
             runs.append({
                 "concurrency": c, "num_requests": result["num_requests"], "steps": steps, "rows_per_step": rows,
                 "tokens_per_s": result["tokens_per_s"], "step_us": period_us, "loop_cpu_us": 1e6 * cpu / steps,
-                "core_us": core_us, "frontend_us": period_us - sum(core_us.values()),
-                "us_per_row": period_us / rows, "frontend_us_per_row": (period_us - sum(core_us.values())) / rows})
+                "core_us": core_us, "frontend_us": frontend_us,
+                "us_per_row": period_us / rows, "frontend_us_per_row": frontend_us / rows})
     return header("frontend") | {"platform": "cpu", "dtype": "-", "device": device_name("cpu"),
                                  "max_tokens": args.max_tokens, "launch_on_loop": config.launch_on_loop,
                                  "runs": runs}
