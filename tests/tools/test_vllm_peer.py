@@ -4,7 +4,9 @@ step), so a scripted engine checks what it measures; vLLM itself runs in the GPU
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -79,3 +81,20 @@ def test_decode_report_gets_the_ratio_to_each_vllm_peer_at_its_concurrency() -> 
     assert runs[2]["ratio_to_vllm"] == {"vllm": 6.0}
     assert [v["identical_to_engine"] for v in peer["vllm"]["runs"]] == [1, 1]
     assert all("outputs" not in v for v in peer["vllm"]["runs"])
+
+
+def test_runs_only_the_vllm_peers_asked_for(tmp_path: Any, monkeypatch: Any) -> None:
+    """`--vllm-peers vllm` spares a run the ngram configuration's start-up: one child, one entry."""
+    children: list[dict[str, Any]] = []
+
+    def child(cmd: list[str], **_: Any) -> None:
+        job, out = cmd[-2], cmd[-1]
+        children.append(json.loads(Path(job).read_text()))
+        Path(out).write_text(json.dumps({"runs": [{"concurrency": 1, "tokens_per_s": 1.0}]}))
+
+    monkeypatch.setattr(vllm_peer, "hf_folder", lambda model, dtype: tmp_path)
+    monkeypatch.setattr(vllm_peer.subprocess, "run", child)
+    peers = vllm_peer.run_peers("m", "bfloat16", [[1, 2]], {1: 1}, 8, 4, 4, 64, names=("vllm",))
+    assert list(peers) == ["vllm"] and [c["k"] for c in children] == [0]
+    both = vllm_peer.run_peers("m", "bfloat16", [[1, 2]], {1: 1}, 8, 4, 4, 64)
+    assert list(both) == ["vllm", "vllm_ngram"] and [c["k"] for c in children[1:]] == [0, 4]

@@ -44,6 +44,14 @@ def mode_list(text: str) -> list[str]:
     return names_from(MODES, text)
 
 
+VLLM_PEERS = ("vllm", "vllm_ngram")
+"""vLLM without speculation and with its ngram speculator (bench decode's vLLM peers)."""
+
+
+def vllm_peer_list(text: str) -> list[str]:
+    return names_from(VLLM_PEERS, text, "vLLM peers")
+
+
 def engine_flags(p: argparse.ArgumentParser, *, model: str | None = "smollm2-135m", max_num_seqs: int = 64,
                  max_model_len: int | None = 2048, dtype: str | None = None, process: bool = True) -> None:
     p.add_argument("--model", default=model,
@@ -223,6 +231,8 @@ def decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peers")
     p.add_argument("--no-vllm", action="store_true",
                    help="skip the vLLM peers (they run where vllm is importable, on a GPU)")
+    p.add_argument("--vllm-peers", type=vllm_peer_list, default=list(VLLM_PEERS),
+                   help=f"the vLLM configurations to run, comma-separated (default: {','.join(VLLM_PEERS)})")
     p.add_argument("--modes", type=mode_list, default=None,
                    help="engine-core placements to measure, e.g. inprocess,process (default: inprocess, "
                         "or process with --process)")

@@ -86,7 +86,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         print("bench decode: vllm not installed, no vLLM peers", file=sys.stderr)
     else:
         vllm = vllm_peer.run_peers(args.model, info.dtype, prompts, sizes, args.max_tokens,
-                                   args.num_speculative_tokens, args.max_num_seqs, info.max_model_len)
+                                   args.num_speculative_tokens, args.max_num_seqs, info.max_model_len,
+                                   args.vllm_peers)
     compare(runs, peers, modes, vllm)
     return header("decode") | {
         "platform": info.platform,

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,9 @@ from tqdm import tqdm
 
 from ...models.cache import cache_dir
 from ...models.checkpoint import resolve
+from .args import VLLM_PEERS as PEERS
 from .command import ms, percentile
 
-PEERS = ("vllm", "vllm_ngram")
 PEER_TIMEOUT_S = 1800.0
 """A whole configuration (start-up with compilation and graphs, then every concurrency)."""
 
@@ -68,17 +69,18 @@ def hf_folder(model: str, dtype: str) -> Path:
 
 
 def run_peers(model: str, dtype: str, prompts: list[list[int]], sizes: dict[int, int], max_tokens: int,
-              k: int, max_num_seqs: int, max_model_len: int) -> dict[str, dict[str, Any]]:
+              k: int, max_num_seqs: int, max_model_len: int,
+              names: Sequence[str] = PEERS) -> dict[str, dict[str, Any]]:
     """{peer: {"runs": [one per concurrency], "start_s": ...}}; a peer that fails is reported
     with its error, and the engine's figures stand on their own."""
     try:
         folder = hf_folder(model, dtype)
     except Exception as e:  # transformers cannot write this checkpoint: the engine's figures still stand
         print(f"bench decode: no Hugging Face folder for vLLM: {e}", file=sys.stderr)
-        return {peer: {"error": f"no Hugging Face folder: {e}", "runs": []} for peer in PEERS}
+        return {peer: {"error": f"no Hugging Face folder: {e}", "runs": []} for peer in names}
     peers: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="speckernel-vllm-") as tmp:
-        for peer in PEERS:
+        for peer in names:
             spec = {"model": str(folder), "dtype": dtype, "prompts": prompts, "sizes": sizes,
                     "max_tokens": max_tokens, "k": k if peer == "vllm_ngram" else 0,
                     "max_num_seqs": max_num_seqs, "max_model_len": max_model_len}
