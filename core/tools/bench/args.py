@@ -445,6 +445,22 @@ SCENARIOS["serve"] = "HTTP load against `speckernel serve`, per speculator, next
 ARGUMENTS["serve"] = serve_arguments
 
 
+def compare_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--baseline", action="append", required=True, metavar="DIR",
+                   help="an --out folder of the baseline's runs (repeatable: one a round)")
+    p.add_argument("--candidate", action="append", required=True, metavar="DIR",
+                   help="an --out folder of the candidate's runs (repeatable, in the baseline's order)")
+    p.add_argument("--scenario", dest="compare_scenario", default="decode",
+                   choices=sorted(set(SCENARIOS) - {"compare"}), help="the scenario the folders hold (default: decode)")
+    p.add_argument("--key", default="tokens_per_s", help="the figure compared (default: tokens_per_s)")
+    p.add_argument("--tolerance", type=fraction, default=0.05, metavar="F",
+                   help="the share either way a row may differ and count as unchanged (default: 0.05)")
+
+
+SCENARIOS["compare"] = "two sets of --out folders of one scenario (baseline, candidate), row by row, with a verdict"
+ARGUMENTS["compare"] = compare_arguments
+
+
 def add_arguments(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmark scenarios (JSON, markdown table, plot)")
     scenarios = bench.add_subparsers(dest="scenario", required=True, metavar="SCENARIO")
