@@ -79,3 +79,13 @@ def test_folders_from_two_devices_or_another_scenario_are_refused(tmp_path: Path
                      "--out", str(tmp_path / "o")]) != 0
     assert "cannot read" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_one_round_is_noisy_where_its_runs_disagree_across_a_bound(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A single round has no second ratio to disagree with: its extreme runs stand in for it."""
+    a = report(tmp_path / "a", {("none", 1): [95.0, 100.0, 105.0], ("none", 16): [99.0, 100.0, 101.0]})
+    b = report(tmp_path / "b", {("none", 1): [90.0, 100.0, 110.0], ("none", 16): [89.0, 90.0, 91.0]})
+    rows = compare(["--baseline", a, "--candidate", b], tmp_path / "o", monkeypatch)["rows"]
+    assert rows[0]["ratio"] == pytest.approx(1.0) and rows[0]["verdict"] == "noisy"
+    assert rows[1]["ratio"] == pytest.approx(0.9) and rows[1]["verdict"] == "slower"
