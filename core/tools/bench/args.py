@@ -450,8 +450,9 @@ def compare_arguments(p: argparse.ArgumentParser) -> None:
                    help="an --out folder of the baseline's runs (repeatable: one a round)")
     p.add_argument("--candidate", action="append", required=True, metavar="DIR",
                    help="an --out folder of the candidate's runs (repeatable, in the baseline's order)")
-    p.add_argument("--scenario", dest="compare_scenario", default="decode",
-                   choices=sorted(set(SCENARIOS) - {"compare"}), help="the scenario the folders hold (default: decode)")
+    p.add_argument("--scenario", dest="compare_scenario", default="decode", metavar="NAME",
+                   choices=sorted(set(SCENARIOS) - {"compare"}),
+                   help="the bench scenario the folders hold (default: decode)")
     p.add_argument("--key", default="tokens_per_s", help="the figure compared (default: tokens_per_s)")
     p.add_argument("--tolerance", type=fraction, default=0.05, metavar="F",
                    help="the share either way a row may differ and count as unchanged (default: 0.05)")
