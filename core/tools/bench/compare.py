@@ -6,8 +6,7 @@ median), and its ratio is candidate median over baseline median; with as many fo
 side, the ratio of each pair of folders (a round) shows how far the rounds agree. A row is within
 the tolerance, faster or slower; where the rounds' ratios straddle a bound of the tolerance (with a
 single round: the ratios of its extreme runs), the host's noise is larger than the difference asked
-about, and the row says "noisy" instead of a verdict. Reads JSON
-only: it measures nothing itself.
+about, and the row says "noisy" instead of a verdict. Reads JSON only: it measures nothing itself.
 """
 
 from __future__ import annotations
@@ -103,7 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   if (r := ratio(median(cs), median(bs))) is not None] if paired else []
         evidence = rounds if len(rounds) > 1 else extremes(b_all, c_all)
         rows.append(dict(key) | {"baseline": b_med, "candidate": c_med, "ratio": overall,
-                                 "baseline_n": sum(map(len, b_sets)), "candidate_n": sum(map(len, c_sets)),
+                                 "baseline_n": len(b_all), "candidate_n": len(c_all),
                                  "round_ratios": rounds, "verdict": verdict(overall, evidence, args.tolerance)})
     first = base[0]
     # Where the figures were taken, not where this process reads them: the baseline's host and libraries.
