@@ -31,6 +31,9 @@ class PlatformCapabilities(msgspec.Struct, frozen=True, kw_only=True):
     """`graph_capture` works here."""
     triton: bool = False
     """Triton kernels run here natively."""
+    packed_weights: bool = False
+    """The model's linear weights are packed once for oneDNN here (`speckernel.ops.packed_linear`),
+    where that torch has oneDNN and the weights' second copy fits the free memory."""
     priority: int = 0
     """Automatic selection takes the available platform with the highest priority."""
     preferred_transports: tuple[str, ...] = ("zmq",)

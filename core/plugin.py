@@ -151,6 +151,10 @@ class SpeculatorContext(Generic[OptionsT]):
     stream itself waits where it can (CUDA), the issuing thread elsewhere."""
     pin_memory: bool = False
     """Host staging memory should be pinned (the device copies from it asynchronously)."""
+    packed_weights: bool = False
+    """The platform runs the target's linears on weights packed once for its library
+    (`LlamaModel.use_packed_weights`): a speculator that loads a model of its own may pack it too,
+    at the cost of its linear weights' bytes once more."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # torch loads where the platform is used, not where it is che
 class CpuPlatform:
     name = "cpu"
     capabilities = PlatformCapabilities(device_type="cpu", default_dtype="float32", dist_backend="gloo", priority=0,
-                                        preferred_transports=("zmq", "torch_dist"))
+                                        preferred_transports=("zmq", "torch_dist"), packed_weights=True)
     kv_budget_cap: ClassVar[int] = 1 << 30
     """The KV cache shares host memory with everything else: take at most this, and at most a
     quarter of what is free."""

@@ -59,6 +59,8 @@ class DraftModelSpeculator(SpeculatorBase):
         cfg = self._draft_config(ctx)
         self.model = load_model(self._path(ctx), ctx.dtype, ctx.device, ctx.max_model_len + self.capabilities.max_k + 1)
         del self.model.layers[cfg.num_layers:]
+        if ctx.packed_weights:
+            self.model.use_packed_weights()
         assert ctx.draft_kv is not None and ctx.attention is not None, "the kernel allocates the draft KV"
         slots = ctx.num_kv_blocks * ctx.block_size
         self.kv = ctx.draft_kv.view(ctx.dtype).view(cfg.num_layers, 2, slots, cfg.num_kv_heads, cfg.head_dim)

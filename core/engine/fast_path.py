@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from .. import log as logmod
 from ..config import EngineConfig
+from ..ops import packed_linear
 from ..ops.jit_watch import WATCH as JIT_WATCH
 from ..platform import Platform
 from ..runner.step_graphs import StepGraphs, prefill_buckets, prompt_batch_buckets, warm_eager
@@ -24,11 +25,18 @@ log = logmod.get("fast_path")
 
 def use_kernels(model: LlamaModel, platform: Platform, config: EngineConfig) -> None:
     """The model's layers on the platform's fused kernels (Triton where it runs), the small-batch
-    kernels and the batch-invariant mode as configured."""
+    kernels and the batch-invariant mode as configured, its weights packed where the platform asks
+    for that (not in the batch-invariant mode, whose linears run row by row)."""
     if platform.capabilities.triton:
         model.use_triton_ops(True)
     model.use_small_batch_ops(config.small_batch_kernels)
     model.use_batch_invariant_ops(config.batch_invariant)
+    if platform.capabilities.packed_weights and not config.batch_invariant:
+        weights = model.linear_weights()
+        if packed_linear.worth_packing(weights, platform.memory_info()[0]):
+            model.use_packed_weights(True)
+        log.info("packed_weights", packed=model.packed_head is not None,
+                 bytes=sum(w.numel() * w.element_size() for w in weights))
 
 
 def capture_graphs(runner: StepDevice, platform: Platform, config: EngineConfig, max_model_len: int, k: int,

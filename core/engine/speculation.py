@@ -63,7 +63,8 @@ def build_speculator(config: EngineConfig, spec: Speculation, platform: Platform
         spec.ctx, max_model_len=max_model_len, num_kv_blocks=num_blocks, draft_kv=draft_kv,
         attention=platform.attention_backend(config.block_size, config.max_num_batched_tokens),
         num_slots=config.max_num_seqs + 1, fused_kernels=platform.capabilities.triton,
-        host_gate=platform.host_gate, pin_memory=platform.device.type != "cpu")
+        host_gate=platform.host_gate, pin_memory=platform.device.type != "cpu",
+        packed_weights=platform.capabilities.packed_weights and not config.batch_invariant)
     return spec.cls(ctx)
 
 

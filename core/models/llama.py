@@ -27,7 +27,7 @@ from torch import nn
 
 from ..attention import AttentionMetadata
 from ..model_config import ModelConfig
-from ..ops import fused_ops, invariant, small_batch
+from ..ops import fused_ops, invariant, packed_linear, small_batch
 from ..ops.rope import cos_sin_table
 
 
@@ -50,10 +50,14 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters and names) that can run batch-invariant."""
 
     invariant = False
+    packed: torch.Tensor | None = None
+    """The weight packed for oneDNN (`LlamaModel.use_packed_weights`), or None."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.invariant:
             return invariant.linear(x, self.weight, self.bias)
+        if self.packed is not None:
+            return packed_linear.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -163,6 +167,8 @@ class LlamaModel(nn.Module):
         self.small_batch = True
         """With triton_ops: steps of at most small_batch.MAX_ROWS tokens take the small-batch kernels."""
         self.batch_invariant = False
+        self.packed_head: torch.Tensor | None = None
+        """The LM head's weight packed for oneDNN (`use_packed_weights`), or None."""
 
     def use_triton_ops(self, enabled: bool = True) -> LlamaModel:
         """Run the layers on the fused kernels of `speckernel.ops.fused_ops` (Triton on CUDA, their
@@ -195,6 +201,23 @@ class LlamaModel(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear | RMSNorm | MLP):
                 module.invariant = enabled
+        return self
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        """The weights of every projection and of the LM head: what `use_packed_weights` packs."""
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return [m.weight for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head] + [head]
+
+    def use_packed_weights(self, enabled: bool = True) -> LlamaModel:
+        """Run the projections and the LM head on weights packed once for oneDNN
+        (`speckernel.ops.packed_linear`, the CPU platform's choice); off: torch's linear. The
+        batch-invariant mode, where on, takes precedence. Weights changed later are not seen:
+        pack after loading."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module is not self.lm_head:
+                module.packed = packed_linear.pack(module.weight) if enabled else None
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_head = packed_linear.pack(head) if enabled else None
         return self
 
     def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -275,4 +298,6 @@ class LlamaModel(nn.Module):
         rows = hidden.reshape(-1, hidden.shape[-1])
         if self.runs_small(rows):
             return small_batch.linear(rows, weight, torch.float32).view(*hidden.shape[:-1], weight.shape[0])
+        if self.packed_head is not None:
+            return packed_linear.linear(hidden, self.packed_head).float()
         return F.linear(hidden, weight).float()

@@ -268,7 +268,7 @@ def test_protocol_is_what_the_kernel_uses() -> None:
     assert protocol_members() == KERNEL_API
     assert set(PlatformCapabilities.__struct_fields__) == {
         "device_type", "default_dtype", "dist_backend", "supports_graphs", "triton", "priority",
-        "preferred_transports"}
+        "preferred_transports", "packed_weights"}
 
 
 @pytest.mark.parametrize("cls", PLATFORMS, ids=lambda c: c.name)

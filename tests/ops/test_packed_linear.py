@@ -1,0 +1,61 @@
+"""The CPU's packed linear: torch's linear to float32 rounding, refused where it would not pay or
+fit, and the real model's greedy tokens unchanged by it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from speckernel.config import EngineConfig
+from speckernel.engine.core import EngineCore
+from speckernel.ops import packed_linear
+from speckernel.sampling_params import SamplingParams
+from tests.conftest import PROMPTS, run_to_completion
+
+pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="this torch has no oneDNN")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 20, 80])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_torch_linear(rows: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(320, 192, generator=gen)
+    b = torch.randn(320, generator=gen) if bias else None
+    x = torch.randn(2, rows, 192, generator=gen)  # leading dims kept, as a model's [..., K]
+    got = packed_linear.linear(x, packed_linear.pack(weight), b)
+    assert got.shape == (2, rows, 320)
+    torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+
+
+def test_packing_is_refused_where_it_would_not_fit_or_not_pay() -> None:
+    w = torch.zeros(64, 64)  # 16 KiB
+    assert packed_linear.worth_packing([w], free_bytes=64 << 10)
+    assert not packed_linear.worth_packing([w], free_bytes=(64 << 10) - 1), "a second copy within a quarter"
+    assert not packed_linear.worth_packing([w.bfloat16()], free_bytes=1 << 30), "float32 only"
+    assert not packed_linear.worth_packing([], free_bytes=1 << 30)
+
+
+@pytest.mark.slow
+def test_the_cpu_engine_packs_and_its_greedy_tokens_stay_what_torch_s_linear_gives(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    core = EngineCore(EngineConfig(platform="cpu", max_model_len=256))
+    model = core.runner.model
+    assert model.packed_head is not None and model.layers[0].mlp.down.packed is not None, "the CPU packs"
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:4]]
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    packed = run_to_completion(core, prompts, greedy)
+    model.use_packed_weights(False)
+    assert model.packed_head is None and model.layers[0].mlp.down.packed is None
+    assert run_to_completion(core, prompts, greedy) == packed
+
+
+def test_the_batch_invariant_mode_is_not_packed() -> None:
+    core = EngineCore(EngineConfig(platform="cpu", model="random:tiny", max_model_len=128, batch_invariant=True))
+    assert core.runner.model.packed_head is None
+
+
+@pytest.mark.slow
+def test_a_draft_model_packs_its_own_weights_as_the_target_does() -> None:
+    core = EngineCore(EngineConfig(platform="cpu", model="random:tiny", max_model_len=128, speculator="draft_model",
+                                   num_speculative_tokens=2))
+    assert core.speculator is not None and core.speculator.model.packed_head is not None  # type: ignore[attr-defined]
