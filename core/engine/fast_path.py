@@ -26,12 +26,12 @@ log = logmod.get("fast_path")
 def use_kernels(model: LlamaModel, platform: Platform, config: EngineConfig) -> None:
     """The model's layers on the platform's fused kernels (Triton where it runs), the small-batch
     kernels and the batch-invariant mode as configured, its weights packed where the platform asks
-    for that (not in the batch-invariant mode, whose linears run row by row)."""
+    for that."""
     if platform.capabilities.triton:
         model.use_triton_ops(True)
     model.use_small_batch_ops(config.small_batch_kernels)
     model.use_batch_invariant_ops(config.batch_invariant)
-    if platform.capabilities.packed_weights and not config.batch_invariant:
+    if platform.capabilities.packed_weights:
         weights = model.linear_weights()
         if packed_linear.worth_packing(weights, platform.memory_info()[0]):
             model.use_packed_weights(True)

@@ -64,7 +64,7 @@ def build_speculator(config: EngineConfig, spec: Speculation, platform: Platform
         attention=platform.attention_backend(config.block_size, config.max_num_batched_tokens),
         num_slots=config.max_num_seqs + 1, fused_kernels=platform.capabilities.triton,
         host_gate=platform.host_gate, pin_memory=platform.device.type != "cpu",
-        packed_weights=platform.capabilities.packed_weights and not config.batch_invariant)
+        packed_weights=platform.capabilities.packed_weights)
     return spec.cls(ctx)
 
 

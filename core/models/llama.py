@@ -55,7 +55,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.invariant:
-            return invariant.linear(x, self.weight, self.bias)
+            return invariant.linear(x, self.weight, self.bias, self.packed)
         if self.packed is not None:
             return packed_linear.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -210,9 +210,9 @@ class LlamaModel(nn.Module):
 
     def use_packed_weights(self, enabled: bool = True) -> LlamaModel:
         """Run the projections and the LM head on weights packed once for oneDNN
-        (`speckernel.ops.packed_linear`, the CPU platform's choice); off: torch's linear. The
-        batch-invariant mode, where on, takes precedence. Weights changed later are not seen:
-        pack after loading."""
+        (`speckernel.ops.packed_linear`, the CPU platform's choice); off: torch's linear. In the
+        batch-invariant mode each row is its own call on them. Weights changed later are not
+        seen: pack after loading."""
         for module in self.modules():
             if isinstance(module, Linear) and module is not self.lm_head:
                 module.packed = packed_linear.pack(module.weight) if enabled else None
@@ -294,7 +294,7 @@ class LlamaModel(nn.Module):
         weights' dtype first)."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         if self.batch_invariant:
-            return invariant.linear(hidden, weight).float()
+            return invariant.linear(hidden, weight, packed=self.packed_head).float()
         rows = hidden.reshape(-1, hidden.shape[-1])
         if self.runs_small(rows):
             return small_batch.linear(rows, weight, torch.float32).view(*hidden.shape[:-1], weight.shape[0])

@@ -9,7 +9,8 @@ other batch, so speculative greedy output equals plain greedy output token for t
 
 - `linear`: on CUDA a Triton matmul with one fixed tile configuration for every M (the K loop
   runs in one order, no split-K), the bias added to the float32 accumulator; elsewhere each row
-  is its own M=1 call of the same shape, which is invariant whatever the BLAS does.
+  is its own M=1 call of the same shape (on the packed weight where the platform packs), which
+  is invariant whatever the library does.
 - `rms_norm`, `silu_mul`: on CUDA the fused Triton kernels (one program per row, a block fixed
   by the hidden size); elsewhere a loop over rows, each row a [1, H] call.
 
@@ -25,7 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
-from . import fused_ops
+from . import fused_ops, packed_linear
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 """The one tile of the invariant matmul, whatever M is."""
@@ -94,14 +95,17 @@ def matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-def matmul_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight.T (+ bias), one matrix-vector product per row: every call has the same
-    shape, and each row is copied to its own (aligned) buffer, so nothing about the batch reaches
-    the BLAS. (A gemv, not an M=1 gemm: the same per-row contract at half the time in bf16.)"""
+def matmul_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight.T (+ bias), one call per row: every call has the same shape, and each row
+    is copied to its own (aligned) buffer, so nothing about the batch reaches the library. With the
+    weight packed for oneDNN (`packed_linear.pack(weight)`) each row is an M=1 call on it (a third
+    of a gemv's time in bf16); otherwise a gemv (half an M=1 gemm's time in bf16)."""
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.promote_types(x.dtype, weight.dtype),
                       device=x.device)
     for i in range(x.shape[0]):
-        row = torch.mv(weight, x[i].clone())
+        alone = x[i : i + 1].clone()
+        row = torch.mv(weight, alone[0]) if packed is None else packed_linear.linear(alone, packed)[0]
         out[i] = row if bias is None else row + bias
     return out
 
@@ -110,10 +114,12 @@ def _triton_here(x: torch.Tensor) -> bool:
     return fused_ops.HAS_TRITON and x.is_cuda
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) over x [..., K], batch-invariant."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) over x [..., K], batch-invariant; `packed`: the weight packed for
+    oneDNN, which the CPU's rows use where given."""
     rows = x.reshape(-1, x.shape[-1])
-    out = (matmul_triton if _triton_here(x) else matmul_rows)(rows, weight, bias)
+    out = matmul_triton(rows, weight, bias) if _triton_here(x) else matmul_rows(rows, weight, bias, packed)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speckernel.ops import invariant
+from speckernel.ops import invariant, packed_linear
 from speckernel.ops.paged_attention import PagedAttention, TorchPagedAttention, TritonPagedAttention
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -44,6 +44,11 @@ def test_linear_norm_and_activation_rows_do_not_depend_on_the_batch(dtype: torch
     sizes = (1, 5, 37, 130)
     rows_alone_and_batched(lambda t: invariant.linear(t, w), x, sizes)
     rows_alone_and_batched(lambda t: invariant.linear(t, w, b), x, sizes)
+    if packed_linear.available() and packed_linear.packs(dtype):  # the CPU platform's rows, on the packed weight
+        packed = packed_linear.pack(w)
+        rows_alone_and_batched(lambda t: invariant.linear(t, w, b, packed), x, sizes)
+        torch.testing.assert_close(invariant.linear(x, w, b, packed), invariant.linear(x, w, b),
+                                   atol=0.1 if dtype == torch.bfloat16 else 1e-4, rtol=0.02)
     rows_alone_and_batched(lambda t: invariant.rms_norm(t, norm, 1e-5), x, sizes)
     rows_alone_and_batched(lambda t: invariant.silu_mul(invariant.linear(t, w)), x, sizes)
     # They compute what the plain ops compute, to rounding.

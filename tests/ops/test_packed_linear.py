@@ -32,7 +32,8 @@ def test_packing_is_refused_where_it_would_not_fit_or_not_pay() -> None:
     w = torch.zeros(64, 64)  # 16 KiB
     assert packed_linear.worth_packing([w], free_bytes=64 << 10)
     assert not packed_linear.worth_packing([w], free_bytes=(64 << 10) - 1), "a second copy within a quarter"
-    assert not packed_linear.worth_packing([w.bfloat16()], free_bytes=1 << 30), "float32 only"
+    assert not packed_linear.worth_packing([w.half()], free_bytes=1 << 30), "float32, and bf16 where native"
+    assert packed_linear.worth_packing([w.bfloat16()], free_bytes=1 << 30) == packed_linear.packs(torch.bfloat16)
     assert not packed_linear.worth_packing([], free_bytes=1 << 30)
 
 
@@ -49,9 +50,12 @@ def test_the_cpu_engine_packs_and_its_greedy_tokens_stay_what_torch_s_linear_giv
     assert run_to_completion(core, prompts, greedy) == packed
 
 
-def test_the_batch_invariant_mode_is_not_packed() -> None:
+def test_the_batch_invariant_mode_runs_its_rows_on_the_packed_weights() -> None:
+    """Each row its own call on the packed weight (tests/ops/test_batch_invariant.py checks that rows
+    stay invariant that way)."""
     core = EngineCore(EngineConfig(platform="cpu", model="random:tiny", max_model_len=128, batch_invariant=True))
-    assert core.runner.model.packed_head is None
+    model = core.runner.model
+    assert model.packed_head is not None and model.layers[0].attn.qkv.invariant
 
 
 @pytest.mark.slow
