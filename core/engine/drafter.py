@@ -32,6 +32,7 @@ from ..errors import InvalidInputError
 from ..models.checkpoint import read_config, resolve
 from ..models.llama import LlamaModel
 from ..models.loader import load_model
+from ..ops import packed_linear
 from ..platform import parse_dtype
 from ..plugin import (
     AfterStepSpeculator,
@@ -174,9 +175,12 @@ class DrafterHost:
             ctx, num_kv_blocks=num_blocks, draft_kv=draft_kv, num_slots=msg.num_slots,
             attention=self.platform.attention_backend(bs, max_tokens),
             fused_kernels=self.platform.capabilities.triton,
-            pin_memory=self.pin)
+            pin_memory=self.pin, packed_weights=self.platform.capabilities.packed_weights)
         if caps.uses_target_weights and self.model is None:
             self.model = load_model(self.path, self.dtype, device, width)
+            if ctx.packed_weights and packed_linear.worth_packing(self.model.linear_weights(),
+                                                                  self.platform.memory_info()[0]):
+                self.model.use_packed_weights()
         speculator = self.cls(ctx)
         m = self.model
         target = TargetModel(self.target, m.embed, m.norm, m.logits, None) if caps.uses_target_weights and m else None

@@ -54,10 +54,11 @@ class Linear(nn.Linear):
     """The weight packed for oneDNN (`LlamaModel.use_packed_weights`), or None."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = packed_linear.usable(self.packed, x)
         if self.invariant:
-            return invariant.linear(x, self.weight, self.bias, self.packed)
-        if self.packed is not None:
-            return packed_linear.linear(x, self.packed, self.bias)
+            return invariant.linear(x, self.weight, self.bias, packed)
+        if packed is not None:
+            return packed_linear.linear(x, packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -293,11 +294,12 @@ class LlamaModel(nn.Module):
         """Float32 logits of final-norm hidden states [..., H] (the head's output rounded to the
         weights' dtype first)."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        packed = packed_linear.usable(self.packed_head, hidden)
         if self.batch_invariant:
-            return invariant.linear(hidden, weight, packed=self.packed_head).float()
+            return invariant.linear(hidden, weight, packed=packed).float()
         rows = hidden.reshape(-1, hidden.shape[-1])
         if self.runs_small(rows):
             return small_batch.linear(rows, weight, torch.float32).view(*hidden.shape[:-1], weight.shape[0])
-        if self.packed_head is not None:
-            return packed_linear.linear(hidden, self.packed_head).float()
+        if packed is not None:
+            return packed_linear.linear(hidden, packed).float()
         return F.linear(hidden, weight).float()

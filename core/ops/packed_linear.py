@@ -45,6 +45,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
+def usable(packed: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """`packed` where it may serve x: not where autograd records x, since oneDNN's packed linear
+    has no backward and would cut the gradient silently (a drafter trained through the target's
+    head takes torch's linear on the plain weight)."""
+    return None if packed is None or (x.requires_grad and torch.is_grad_enabled()) else packed
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) over x [..., K], `packed` = pack(weight) of weight [N, K]."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()

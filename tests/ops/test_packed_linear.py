@@ -28,6 +28,23 @@ def test_packed_linear_equals_torch_linear(rows: int, bias: bool) -> None:
     torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
 
 
+def test_a_gradient_through_a_packed_linear_is_torch_s() -> None:
+    """oneDNN's packed linear has no backward: where autograd records the input, the layer takes
+    torch's linear, so a gradient through a packed model (a drafter trained through the target's
+    head) is the one the plain weights give."""
+    from speckernel.models.llama import Linear
+
+    layer = Linear(16, 8, bias=True).requires_grad_(False)
+    layer.packed = packed_linear.pack(layer.weight)
+    x = torch.randn(3, 16, requires_grad=True)
+    layer(x).square().sum().backward()
+    expected = 2 * F.linear(x.detach(), layer.weight, layer.bias) @ layer.weight
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, expected)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
 def test_packing_is_refused_where_it_would_not_fit_or_not_pay() -> None:
     w = torch.zeros(64, 64)  # 16 KiB
     assert packed_linear.worth_packing([w], free_bytes=64 << 10)
