@@ -23,20 +23,19 @@ if TYPE_CHECKING:  # annotations only: the callers built them
 log = logmod.get("fast_path")
 
 
-def use_kernels(model: LlamaModel, platform: Platform, config: EngineConfig) -> None:
+def use_kernels(model: LlamaModel, platform: Platform, config: EngineConfig, head: bool = True) -> None:
     """The model's layers on the platform's fused kernels (Triton where it runs), the small-batch
     kernels and the batch-invariant mode as configured, its weights packed where the platform asks
-    for that."""
+    for that (the LM head's too where this process runs it: `head`)."""
     if platform.capabilities.triton:
         model.use_triton_ops(True)
     model.use_small_batch_ops(config.small_batch_kernels)
     model.use_batch_invariant_ops(config.batch_invariant)
     if platform.capabilities.packed_weights:
-        weights = model.linear_weights()
-        if packed_linear.worth_packing(weights, platform.memory_info()[0]):
-            model.use_packed_weights(True)
-        log.info("packed_weights", packed=model.packed_head is not None,
-                 bytes=sum(w.numel() * w.element_size() for w in weights))
+        weights = model.linear_weights(head)
+        packed = packed_linear.worth_packing(weights, platform.memory_info()[0])
+        model.use_packed_weights(packed, head)
+        log.info("packed_weights", packed=packed, bytes=sum(w.numel() * w.element_size() for w in weights))
 
 
 def capture_graphs(runner: StepDevice, platform: Platform, config: EngineConfig, max_model_len: int, k: int,

@@ -129,7 +129,7 @@ class Stage:
                                                max_rows=config.max_num_seqs + 1,
                                                max_blocks=boot.blocks_per_request,
                                                batch_invariant=config.batch_invariant)
-        use_kernels(model, platform, config)
+        use_kernels(model, platform, config, head=self.slice.last)
         self.runner = StageRunner(model, self.device, boot.num_blocks, config.block_size, attention,
                                   num_slots=config.max_num_seqs, max_model_len=boot.max_model_len,
                                   speculator=speculator, num_speculative_tokens=k,

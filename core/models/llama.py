@@ -204,21 +204,24 @@ class LlamaModel(nn.Module):
                 module.invariant = enabled
         return self
 
-    def linear_weights(self) -> list[torch.Tensor]:
-        """The weights of every projection and of the LM head: what `use_packed_weights` packs."""
-        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return [m.weight for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head] + [head]
+    def linear_weights(self, head: bool = True) -> list[torch.Tensor]:
+        """The weights of every projection, and of the LM head with `head`: what `use_packed_weights`
+        packs."""
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return [m.weight for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head] + \
+            ([weight] if head else [])
 
-    def use_packed_weights(self, enabled: bool = True) -> LlamaModel:
+    def use_packed_weights(self, enabled: bool = True, head: bool = True) -> LlamaModel:
         """Run the projections and the LM head on weights packed once for oneDNN
         (`speckernel.ops.packed_linear`, the CPU platform's choice); off: torch's linear. In the
-        batch-invariant mode each row is its own call on them. Weights changed later are not
-        seen: pack after loading."""
+        batch-invariant mode each row is its own call on them. head=False leaves the LM head on
+        torch's path (a pipeline stage before the last never runs it). Weights changed later are
+        not seen: pack after loading."""
         for module in self.modules():
             if isinstance(module, Linear) and module is not self.lm_head:
                 module.packed = packed_linear.pack(module.weight) if enabled else None
-        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        self.packed_head = packed_linear.pack(head) if enabled else None
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_head = packed_linear.pack(weight) if enabled and head else None
         return self
 
     def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

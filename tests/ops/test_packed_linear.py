@@ -80,3 +80,17 @@ def test_a_draft_model_packs_its_own_weights_as_the_target_does() -> None:
     core = EngineCore(EngineConfig(platform="cpu", model="random:tiny", max_model_len=128, speculator="draft_model",
                                    num_speculative_tokens=2))
     assert core.speculator is not None and core.speculator.model.packed_head is not None  # type: ignore[attr-defined]
+
+
+def test_a_stage_without_the_head_packs_its_layers_only() -> None:
+    """A pipeline stage before the last never runs the LM head: its weight stays unpacked (on a
+    tied model it is the whole embedding) and out of the bytes weighed against free memory."""
+    from speckernel.models.checkpoint import resolve
+    from speckernel.models.loader import load_model
+
+    model = load_model(resolve("random:tiny"), torch.float32, torch.device("cpu"), 64)
+    head = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    assert not any(w is head for w in model.linear_weights(head=False))
+    assert any(w is head for w in model.linear_weights())
+    model.use_packed_weights(head=False)
+    assert model.packed_head is None and model.layers[0].attn.o.packed is not None
