@@ -17,6 +17,8 @@ once more: `worth_packing` refuses where that would crowd the host's free memory
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -27,16 +29,27 @@ def available() -> bool:
         hasattr(mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise"))
 
 
+@functools.cache
 def packs(dtype: torch.dtype) -> bool:
-    """float32 always; bf16 where the CPU computes it natively (emulated, it would cost more)."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    """float32, and bf16 where the CPU computes it natively (emulated, it would cost more), where a
+    probe gives the exact product: a torch that offers the ops on a CPU its oneDNN cannot serve
+    keeps torch's linear instead of failing at the first step."""
+    if not available() or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    try:
+        out = linear(torch.ones(3, 64, dtype=dtype), pack(torch.ones(16, 64, dtype=dtype)))
+    except RuntimeError:
+        return False
+    return out.shape == (3, 16) and bool((out == 64).all())
 
 
 def worth_packing(weights: list[torch.Tensor], free_bytes: int) -> bool:
     """Every weight in a packable dtype on the CPU, and their second copy within a quarter of the
     free memory (the KV cache takes at most another quarter)."""
     size = sum(w.numel() * w.element_size() for w in weights)
-    return (bool(weights) and available() and all(w.device.type == "cpu" and packs(w.dtype) for w in weights)
+    return (bool(weights) and all(w.device.type == "cpu" and packs(w.dtype) for w in weights)
             and size <= free_bytes // 4)
 
 

@@ -54,6 +54,23 @@ def test_packing_is_refused_where_it_would_not_fit_or_not_pay() -> None:
     assert not packed_linear.worth_packing([], free_bytes=1 << 30)
 
 
+def test_a_probe_that_fails_or_miscomputes_keeps_torch_s_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the ops exist but do not work for this CPU, packing is refused up front."""
+    real = packed_linear.linear
+
+    def broken(*args, **kw):  # type: ignore[no-untyped-def]
+        raise RuntimeError("could not create a primitive")
+
+    for stand_in in (broken, lambda *a, **kw: real(*a, **kw) + 1):
+        monkeypatch.setattr(packed_linear, "linear", stand_in)
+        packed_linear.packs.cache_clear()
+        assert not packed_linear.packs(torch.float32)
+        assert not packed_linear.worth_packing([torch.zeros(4, 4)], free_bytes=1 << 30)
+    monkeypatch.setattr(packed_linear, "linear", real)
+    packed_linear.packs.cache_clear()
+    assert packed_linear.packs(torch.float32)
+
+
 @pytest.mark.slow
 def test_the_cpu_engine_packs_and_its_greedy_tokens_stay_what_torch_s_linear_gives(tokenizer) -> None:  # type: ignore[no-untyped-def]
     core = EngineCore(EngineConfig(platform="cpu", max_model_len=256))
