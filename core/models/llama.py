@@ -15,6 +15,10 @@ and attention per layer, the LM head one more.
 activation batch-invariant (`speckernel.ops.invariant`): a token's results are bit for bit the
 same whatever else is in the batch and however many query tokens its row has. The attention
 backend is made invariant by the platform (`batch_invariant`), not here.
+
+`LlamaModel.use_packed_weights(True)` runs every projection and the LM head on weights packed once
+for oneDNN (`speckernel.ops.packed_linear`): the CPU platform's choice, where torch's BLAS call is
+slow at decoding's few rows.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and names) that can run batch-invariant."""
+    """nn.Linear (same parameters and names) that can run batch-invariant, or on its weight packed
+    for oneDNN."""
 
     invariant = False
     packed: torch.Tensor | None = None
