@@ -32,7 +32,6 @@ from ..errors import InvalidInputError
 from ..models.checkpoint import read_config, resolve
 from ..models.llama import LlamaModel
 from ..models.loader import load_model
-from ..ops import packed_linear
 from ..platform import parse_dtype
 from ..plugin import (
     AfterStepSpeculator,
@@ -50,6 +49,7 @@ from ..runner.step_plan import DRAFTER, Col, HostPlan
 from ..wire.drafter import HIDDEN_CARRIERS, Describe, Free, Hello, Ingest, Propose, ServerTiming, fingerprint
 from .check import parse_options
 from .drafter_steps import Key, PaddedSteps
+from .fast_path import pack_weights
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -178,9 +178,7 @@ class DrafterHost:
             pin_memory=self.pin, packed_weights=self.platform.capabilities.packed_weights)
         if caps.uses_target_weights and self.model is None:
             self.model = load_model(self.path, self.dtype, device, width)
-            if ctx.packed_weights and packed_linear.worth_packing(self.model.linear_weights(),
-                                                                  self.platform.memory_info()[0]):
-                self.model.use_packed_weights()
+            pack_weights(self.model, self.platform)
         speculator = self.cls(ctx)
         m = self.model
         target = TargetModel(self.target, m.embed, m.norm, m.logits, None) if caps.uses_target_weights and m else None

@@ -31,11 +31,18 @@ def use_kernels(model: LlamaModel, platform: Platform, config: EngineConfig, hea
         model.use_triton_ops(True)
     model.use_small_batch_ops(config.small_batch_kernels)
     model.use_batch_invariant_ops(config.batch_invariant)
-    if platform.capabilities.packed_weights:
-        weights = model.linear_weights(head)
-        packed = packed_linear.worth_packing(weights, platform.memory_info()[0])
-        model.use_packed_weights(packed, head)
-        log.info("packed_weights", packed=packed, bytes=sum(w.numel() * w.element_size() for w in weights))
+    pack_weights(model, platform, head)
+
+
+def pack_weights(model: LlamaModel, platform: Platform, head: bool = True) -> None:
+    """The model's linear weights (the LM head's with `head`) packed where the platform packs and
+    their second copy fits the free memory; logged either way."""
+    if not platform.capabilities.packed_weights:
+        return
+    weights = model.linear_weights(head)
+    packed = packed_linear.worth_packing(weights, platform.memory_info()[0])
+    model.use_packed_weights(packed, head)
+    log.info("packed_weights", packed=packed, bytes=sum(w.numel() * w.element_size() for w in weights))
 
 
 def capture_graphs(runner: StepDevice, platform: Platform, config: EngineConfig, max_model_len: int, k: int,

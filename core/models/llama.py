@@ -209,12 +209,19 @@ class LlamaModel(nn.Module):
                 module.invariant = enabled
         return self
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight: the embedding's where the two are tied."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def _projections(self) -> list[Linear]:
+        """Every layer's projections (the LM head runs apart, in `logits`)."""
+        return [m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head]
+
     def linear_weights(self, head: bool = True) -> list[torch.Tensor]:
         """The weights of every projection, and of the LM head with `head`: what `use_packed_weights`
         packs."""
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return [m.weight for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head] + \
-            ([weight] if head else [])
+        return [m.weight for m in self._projections()] + ([self.head_weight] if head else [])
 
     def use_packed_weights(self, enabled: bool = True, head: bool = True) -> LlamaModel:
         """Run the projections and the LM head on weights packed once for oneDNN
@@ -222,11 +229,9 @@ class LlamaModel(nn.Module):
         batch-invariant mode each row is its own call on them. head=False leaves the LM head on
         torch's path (a pipeline stage before the last never runs it). Weights changed later are
         not seen: pack after loading."""
-        for module in self.modules():
-            if isinstance(module, Linear) and module is not self.lm_head:
-                module.packed = packed_linear.pack(module.weight) if enabled else None
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        self.packed_head = packed_linear.pack(weight) if enabled and head else None
+        for module in self._projections():
+            module.packed = packed_linear.pack(module.weight) if enabled else None
+        self.packed_head = packed_linear.pack(self.head_weight) if enabled and head else None
         return self
 
     def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -301,7 +306,7 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of final-norm hidden states [..., H] (the head's output rounded to the
         weights' dtype first)."""
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.head_weight
         packed = packed_linear.usable(self.packed_head, hidden)
         if self.batch_invariant:
             return invariant.linear(hidden, weight, packed=packed).float()
